@@ -1,0 +1,1 @@
+"""Bindings to external systems (stores, model backends) behind small ports."""

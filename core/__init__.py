@@ -1,0 +1,1 @@
+"""Pure, deterministic core of the data plane (no I/O). Public names are re-exported here."""

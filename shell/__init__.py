@@ -1,0 +1,1 @@
+"""Imperative shell: Ray workers, store I/O, trainers and entry points."""
