@@ -1,1 +1,59 @@
 """Pure, deterministic core of the data plane (no I/O). Public names are re-exported here."""
+
+from core.codec import Layout, is_jagged, jagged_lengths, materialize, pack_fields, to_jagged, to_padded
+from core.frozen import FrozenDict, freeze, thaw
+from core.grpo import (
+    clipped_policy_loss,
+    dapo_keep_mask,
+    group_baseline,
+    grpo_advantages,
+    kl_k3,
+    masked_mean,
+)
+from core.integrity import mismatched_rows, object_row_digests, tensor_row_digests
+from core.meta import KVBatchMeta
+from core.packing import PACKING_ALGORITHMS, PackingAlgorithm, pack_sequences, packing_lower_bound
+from core.permutation import inverse_permutation
+from core.sharding import (
+    DynamicBatchingSpec,
+    PackingSpec,
+    balanced_partition,
+    global_pad_length,
+    shard_meta_for_dp,
+)
+from core.topology import AXES, NamedSharding
+
+__all__ = [
+    "AXES",
+    "PACKING_ALGORITHMS",
+    "DynamicBatchingSpec",
+    "FrozenDict",
+    "KVBatchMeta",
+    "Layout",
+    "NamedSharding",
+    "PackingAlgorithm",
+    "PackingSpec",
+    "balanced_partition",
+    "clipped_policy_loss",
+    "dapo_keep_mask",
+    "freeze",
+    "global_pad_length",
+    "group_baseline",
+    "grpo_advantages",
+    "inverse_permutation",
+    "is_jagged",
+    "jagged_lengths",
+    "kl_k3",
+    "masked_mean",
+    "materialize",
+    "mismatched_rows",
+    "object_row_digests",
+    "pack_fields",
+    "pack_sequences",
+    "packing_lower_bound",
+    "shard_meta_for_dp",
+    "tensor_row_digests",
+    "thaw",
+    "to_jagged",
+    "to_padded",
+]

@@ -1,14 +1,23 @@
 """Every hypothesis strategy the property tests use (one file, by design).
 
-Sections: metadata, sequence lengths, tensors, topology, GRPO. Add new
+Sections: metadata, sequence lengths, tensors, topology, GRPO, stores. Add new
 strategies to the matching section; tests import from here only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
 from hypothesis import strategies as st
+from tensordict import NonTensorStack, TensorDict
 
 from core.meta import KVBatchMeta
+from core.packing import PACKING_ALGORITHMS
+from core.sharding import DynamicBatchingSpec, PackingSpec
+from core.topology import AXES, NamedSharding
 
 # ---------------------------------------------------------------- metadata
 
@@ -47,8 +56,370 @@ permutations_of_range = st.integers(0, 64).flatmap(lambda n: st.permutations(lis
 # ---------------------------------------------------------------- sequence lengths
 # (packing and sharding strategies go here)
 
+# packing (core/packing.py)
+
+packing_algorithms = st.sampled_from(PACKING_ALGORITHMS)
+packing_capacities = st.integers(min_value=1, max_value=64)
+
+
+@st.composite
+def sequence_lengths(draw: st.DrawFn, *, capacity: int, min_size: int = 0, max_size: int = 40) -> list[int]:
+    """Lengths in ``[0, capacity]``: uniform, short-heavy, bimodal, or mixing over-half with sixth-to-third lengths.
+
+    Zeros and ``capacity`` itself are allowed.
+    """
+    length = draw(
+        st.sampled_from(
+            [
+                st.integers(0, capacity),
+                st.integers(0, max(capacity // 4, 1)),
+                st.one_of(st.integers(0, capacity // 5), st.integers(capacity // 3, capacity)),
+                st.one_of(st.integers(capacity // 2 + 1, capacity), st.integers(capacity // 7, capacity // 3)),
+            ]
+        )
+    )
+    return draw(st.lists(length, min_size=min_size, max_size=max_size))
+
+
+@st.composite
+def capacity_and_lengths(draw: st.DrawFn, *, min_size: int = 0) -> tuple[int, list[int]]:
+    """A capacity and lengths that each fit in it."""
+    capacity = draw(packing_capacities)
+    return capacity, draw(sequence_lengths(capacity=capacity, min_size=min_size))
+
+
+@st.composite
+def packing_cases(draw: st.DrawFn) -> tuple[list[int], int, int, int]:
+    """``(lengths, capacity, bin_count_multiple, min_bin_count)`` that always admit a packing.
+
+    ``len(lengths)`` is a positive multiple of ``bin_count_multiple`` and
+    ``min_bin_count <= len(lengths)``, so the required bin count never exceeds
+    the number of sequences.
+    """
+    capacity = draw(packing_capacities)
+    multiple = draw(st.integers(1, 4))
+    groups = draw(st.integers(1, 10))
+    n = multiple * groups
+    lengths = draw(sequence_lengths(capacity=capacity, min_size=n, max_size=n))
+    min_bin_count = draw(st.integers(0, n))
+    return lengths, capacity, multiple, min_bin_count
+
+
+@st.composite
+def packing_requests(draw: st.DrawFn) -> tuple[list[int], int, int, int]:
+    """``(lengths, capacity, bin_count_multiple, min_bin_count)``, feasible or not (few sequences, many bins)."""
+    capacity = draw(packing_capacities)
+    lengths = draw(sequence_lengths(capacity=capacity, max_size=12))
+    return lengths, capacity, draw(st.integers(1, 8)), draw(st.integers(0, 10))
+
+
+@st.composite
+def distinct_lengths_and_permutation(draw: st.DrawFn) -> tuple[list[int], int, list[int]]:
+    """Pairwise-distinct lengths, a capacity that holds each, and a permutation of their positions."""
+    capacity = draw(st.integers(8, 200))
+    lengths = draw(st.lists(st.integers(0, capacity), min_size=1, max_size=30, unique=True))
+    return lengths, capacity, draw(st.permutations(list(range(len(lengths)))))
+
+
+# sharding (core/sharding.py)
+
+partition_weight_values = st.sampled_from([st.integers(0, 1000), st.integers(0, 9), st.floats(0, 1e4, allow_nan=False)]).flatmap(lambda s: s)
+
+
+@st.composite
+def equal_partition_cases(draw: st.DrawFn, *, integral: bool = False) -> tuple[list[int | float], int]:
+    """``(weights, parts)`` with ``len(weights)`` a multiple of ``parts`` (possibly zero)."""
+    parts = draw(st.integers(1, 8))
+    n = parts * draw(st.integers(0, 8))
+    element = st.integers(0, 1000) if integral else partition_weight_values
+    return draw(st.lists(element, min_size=n, max_size=n)), parts
+
+
+@st.composite
+def free_partition_cases(draw: st.DrawFn, *, integral: bool = False) -> tuple[list[int | float], int]:
+    """``(weights, parts)`` of any sizes, including fewer weights than parts."""
+    element = st.integers(0, 1000) if integral else partition_weight_values
+    return draw(st.lists(element, max_size=40)), draw(st.integers(1, 8))
+
+
+@st.composite
+def sharding_cases(draw: st.DrawFn, *, with_lengths: bool | None = True) -> tuple[KVBatchMeta, int, int | None]:
+    """``(meta, dp_world, batch_size)`` valid for plain (no packing) sharding.
+
+    Every global batch is a multiple of ``dp_world`` rows; ``batch_size`` is
+    None (one global batch) or divides ``len(meta)``.
+    """
+    dp = draw(st.integers(1, 4))
+    per_rank = draw(st.integers(1, 3))
+    batches = draw(st.integers(1, 3))
+    batch_size = dp * per_rank
+    n = batch_size * batches
+    meta = draw(metas(min_size=n, max_size=n, with_lengths=with_lengths))
+    return meta, dp, draw(st.sampled_from([batch_size, None]))
+
+
+@st.composite
+def micro_batching_cases(draw: st.DrawFn) -> tuple[KVBatchMeta, int, int | None, PackingSpec | DynamicBatchingSpec]:
+    """``(meta, dp_world, batch_size, spec)`` with a ``PackingSpec`` or ``DynamicBatchingSpec`` that admits a plan.
+
+    Global batches are multiples of ``dp_world`` rows and the capacity is a
+    multiple of the pad/round step, so every padded length fits and a uniform
+    micro-batch count always exists.
+    """
+    dp = draw(st.integers(1, 4))
+    batch_size = dp * draw(st.integers(1, 6))
+    batches = draw(st.integers(1, 2))
+    n = batch_size * batches
+    step = draw(st.sampled_from([1, 1, 2, 8]))
+    capacity = step * draw(st.integers(1, 16))
+    lengths = draw(sequence_lengths(capacity=capacity, min_size=n, max_size=n))
+    ks = draw(st.lists(keys, min_size=n, max_size=n, unique=True))
+    tags = draw(st.none() | st.lists(st.fixed_dictionaries({"uid": st.integers(0, 3)}), min_size=n, max_size=n))
+    meta = KVBatchMeta("train", ks, fields=["input_ids"], sequence_lengths=lengths, tags=tags, extra_info={"step": 1})
+    if draw(st.booleans()):
+        spec: PackingSpec | DynamicBatchingSpec = PackingSpec(capacity, algorithm=draw(packing_algorithms), sequence_length_pad_multiple=step)
+    else:
+        spec = DynamicBatchingSpec(capacity, sequence_length_round=step)
+    return meta, dp, draw(st.sampled_from([batch_size, None] if batches == 1 else [batch_size])), spec
+
+
 # ---------------------------------------------------------------- tensors
 # (codec strategies go here)
 
+CODEC_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool,
+)
+codec_dtypes = st.sampled_from(CODEC_DTYPES)
+trailing_dims = st.lists(st.integers(1, 3), max_size=2).map(tuple)
+
+
+def codec_row_lengths(*, max_rows: int = 6, max_len: int = 10) -> st.SearchStrategy[list[int]]:
+    """Ragged row lengths, often empty rows, sometimes no rows or all rows empty."""
+    return st.lists(st.one_of(st.just(0), st.integers(0, max_len)), max_size=max_rows)
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A reproducible tensor of ``shape`` spanning the range of ``dtype`` (finite floats)."""
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=gen, dtype=torch.float64) * 100).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, generator=gen, dtype=dtype)
+
+
+def tensors_of(shape: tuple[int, ...], dtype: torch.dtype) -> st.SearchStrategy[torch.Tensor]:
+    """Random tensors of a fixed shape and dtype."""
+    return st.integers(0, 2**32 - 1).map(lambda seed: random_tensor(shape, dtype, seed))
+
+
+def pad_values_for(dtype: torch.dtype) -> st.SearchStrategy[bool | int | float]:
+    """Pad values valid for ``dtype`` (exactly representable for bool and integer dtypes)."""
+    if dtype == torch.bool:
+        return st.booleans()
+    if dtype.is_floating_point:
+        return st.one_of(st.just(0), st.integers(-5, 5), st.floats(allow_nan=False, width=16))
+    info = torch.iinfo(dtype)
+    return st.integers(info.min, info.max)
+
+
+@st.composite
+def padded_batches(draw: st.DrawFn, *, max_rows: int = 6, max_len: int = 10) -> tuple[torch.Tensor, list[int]]:
+    """A dense ``(N, S, *rest)`` batch (random dtype) and row lengths with ``max <= S``."""
+    lengths = draw(codec_row_lengths(max_rows=max_rows, max_len=max_len))
+    width = max(lengths, default=0) + draw(st.integers(0, 3))
+    shape = (len(lengths), width, *draw(trailing_dims))
+    return draw(tensors_of(shape, draw(codec_dtypes))), lengths
+
+
+@st.composite
+def jagged_batches(draw: st.DrawFn, *, max_rows: int = 6, max_len: int = 10) -> torch.Tensor:
+    """A ``torch.jagged`` nested tensor built straight from values and offsets, sometimes with holes."""
+    lengths = draw(codec_row_lengths(max_rows=max_rows, max_len=max_len))
+    gaps = draw(st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=len(lengths), max_size=len(lengths))))
+    rest = draw(trailing_dims)
+    dtype = draw(codec_dtypes)
+    if gaps is None:
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        total = sum(lengths)
+    else:
+        starts = [sum(lengths[:i]) + sum(gaps[: i + 1]) for i in range(len(lengths))]
+        total = sum(lengths) + sum(gaps)
+    values = draw(tensors_of((total, *rest), dtype))
+    offsets = torch.tensor([*starts, total], dtype=torch.int64)
+    if gaps is None:
+        return torch.nested.nested_tensor_from_jagged(values, offsets)
+    return torch.nested.nested_tensor_from_jagged(values, offsets, lengths=torch.tensor(lengths, dtype=torch.int64))
+
+
+@st.composite
+def field_batches(
+    draw: st.DrawFn, *, max_rows: int = 6, max_len: int = 10
+) -> tuple[dict[str, torch.Tensor], list[int], list[str], dict[str, bool | int | float]]:
+    """Fields of one batch: ``(fields, lengths, token_fields, pad_values)``.
+
+    Token fields are ``(N, S_f, *rest)`` with ``S_f >= max(lengths)`` (each its own
+    width and dtype); the other fields are ``(N,)`` or ``(N, D)``. Pad values are
+    given for some token fields only.
+    """
+    lengths = draw(codec_row_lengths(max_rows=max_rows, max_len=max_len))
+    n, longest = len(lengths), max(lengths, default=0)
+    fields: dict[str, torch.Tensor] = {}
+    pad_values: dict[str, bool | int | float] = {}
+    token_fields = [f"tok{i}" for i in range(draw(st.integers(1, 3)))]
+    for name in token_fields:
+        dtype = draw(codec_dtypes)
+        shape = (n, longest + draw(st.integers(0, 3)), *draw(trailing_dims))
+        fields[name] = draw(tensors_of(shape, dtype))
+        if draw(st.booleans()):
+            pad_values[name] = draw(pad_values_for(dtype))
+    for i in range(draw(st.integers(0, 2))):
+        shape = (n, *draw(st.lists(st.integers(1, 4), max_size=1)))
+        fields[f"dense{i}"] = draw(tensors_of(shape, draw(codec_dtypes)))
+    return fields, lengths, token_fields, pad_values
+
 # ---------------------------------------------------------------- topology and GRPO
 # (topology and GRPO strategies go here)
+
+sharding_sizes = st.dictionaries(st.sampled_from(AXES), st.integers(1, 3))
+"""Axis sizes for ``NamedSharding``: any subset of ``AXES`` (the rest default to 1), each in 1..3."""
+named_shardings = sharding_sizes.map(NamedSharding)
+
+reward_values = st.one_of(st.sampled_from([0.0, 0.5, 1.0]), st.floats(-10, 10, allow_nan=False, width=32))
+"""Rewards: often the 0 / 0.5 / 1 of verifiable tasks (so ties are common), else any moderate float."""
+
+
+@st.composite
+def grouped_rewards(draw: st.DrawFn, *, max_groups: int = 6, max_group_size: int = 6) -> tuple[torch.Tensor, list[int]]:
+    """[N] float64 rewards and their group ids: sparse (possibly negative) ids, rows interleaved, some groups constant."""
+    ids = draw(st.lists(st.integers(-50, 50), min_size=1, max_size=max_groups, unique=True))
+    rows: list[tuple[int, float]] = []
+    for gid in ids:
+        size = draw(st.integers(1, max_group_size))
+        if draw(st.booleans()):
+            rows += [(gid, draw(reward_values))] * size
+        else:
+            rows += [(gid, draw(reward_values)) for _ in range(size)]
+    order = draw(st.permutations(list(range(len(rows)))))
+    return torch.tensor([rows[i][1] for i in order], dtype=torch.float64), [rows[i][0] for i in order]
+
+
+def _float_grid(draw: st.DrawFn, shape: tuple[int, ...], low: float, high: float) -> torch.Tensor:
+    n = 1
+    for dim in shape:
+        n *= dim
+    values = draw(st.lists(st.floats(low, high, allow_nan=False, allow_subnormal=False), min_size=n, max_size=n))
+    return torch.tensor(values, dtype=torch.float64).reshape(shape)
+
+
+@st.composite
+def policy_loss_inputs(draw: st.DrawFn, *, max_batch: int = 4, max_len: int = 6) -> dict[str, torch.Tensor]:
+    """Float64 ``logprobs``/``prev_logprobs`` [B, S] with ratios spanning both clip bounds, advantages [B] or [B, S], and a bool or weighted mask."""
+    b, s = draw(st.integers(1, max_batch)), draw(st.integers(1, max_len))
+    logprobs = _float_grid(draw, (b, s), -4.0, 0.0)
+    prev = logprobs + _float_grid(draw, (b, s), -0.7, 0.7)
+    advantages = _float_grid(draw, draw(st.sampled_from([(b,), (b, s)])), -3.0, 3.0)
+    if draw(st.booleans()):
+        mask = torch.tensor(draw(st.lists(st.booleans(), min_size=b * s, max_size=b * s))).reshape(b, s)
+    else:
+        weights = draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=b * s, max_size=b * s))
+        mask = torch.tensor(weights, dtype=torch.float64).reshape(b, s)
+    return {"logprobs": logprobs, "prev_logprobs": prev, "advantages": advantages, "mask": mask}
+
+
+clip_ranges = st.tuples(st.floats(0.0, 0.5), st.floats(0.0, 0.5))
+"""``(clip_low, clip_high)`` pairs, asymmetric as in DAPO."""
+
+
+# ---------------------------------------------------------------- stores
+# (column and batch strategies for adapters.rows and the store contract)
+
+store_object_values = st.one_of(
+    st.none(),
+    st.integers(-5, 5),
+    st.text(max_size=4),
+    st.lists(st.integers(0, 3), max_size=3),
+    st.dictionaries(st.sampled_from(["a", "b"]), st.integers(0, 3), max_size=2),
+)
+"""Per-row Python objects: None, ints, short strings, small lists and dicts."""
+
+
+def _store_tensor(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    t = draw(tensors_of(shape, dtype))
+    if dtype.is_floating_point and t.numel() and draw(st.booleans()):
+        t.view(-1)[0] = float("nan")  # NaN and -0.0 must survive a store bit for bit
+        t.view(-1)[-1] = -0.0
+    return t
+
+
+@st.composite
+def dense_columns(draw: st.DrawFn, n: int) -> torch.Tensor:
+    """A dense ``(n, *rest)`` column with ``rest`` in ``()``, ``(1,)``, ``(S,)``, ``(S, D)``; any codec dtype, NaNs sometimes."""
+    rest = draw(st.one_of(st.just(()), st.just((1,)), st.lists(st.integers(0, 3), min_size=1, max_size=2).map(tuple)))
+    return _store_tensor(draw, (n, *rest), draw(codec_dtypes))
+
+
+@st.composite
+def jagged_columns(draw: st.DrawFn, n: int, *, max_len: int = 6) -> torch.Tensor:
+    """A ``torch.jagged`` column of ``n`` rows (empty rows common), ``(len_i,)`` or ``(len_i, D)`` rows, sometimes with holes."""
+    lengths = draw(st.lists(st.one_of(st.just(0), st.integers(0, max_len)), min_size=n, max_size=n))
+    gaps = draw(st.one_of(st.none(), st.lists(st.integers(0, 2), min_size=n, max_size=n)))
+    rest = draw(st.one_of(st.just(()), st.tuples(st.integers(1, 3))))
+    starts = [sum(lengths[:i]) + (0 if gaps is None else sum(gaps[: i + 1])) for i in range(n)]
+    total = sum(lengths) + (0 if gaps is None else sum(gaps))
+    values = _store_tensor(draw, (total, *rest), draw(codec_dtypes))
+    offsets = torch.tensor([*starts, total], dtype=torch.int64)
+    if gaps is None:
+        return torch.nested.nested_tensor_from_jagged(values, offsets)
+    return torch.nested.nested_tensor_from_jagged(values, offsets, lengths=torch.tensor(lengths, dtype=torch.int64))
+
+
+@st.composite
+def object_array_columns(draw: st.DrawFn, n: int) -> np.ndarray:
+    """A numpy ``dtype=object`` column: ``(n,)`` of arbitrary objects, or ``(n, W)`` of scalars."""
+    if draw(st.booleans()):
+        return np.fromiter(draw(st.lists(store_object_values, min_size=n, max_size=n)), dtype=object, count=n)
+    width = draw(st.integers(1, 3))
+    cells = draw(st.lists(st.one_of(st.none(), st.integers(-5, 5), st.text(max_size=3)), min_size=n * width, max_size=n * width))
+    return np.fromiter(cells, dtype=object, count=n * width).reshape(n, width)
+
+
+@st.composite
+def non_tensor_stack_columns(draw: st.DrawFn, n: int) -> NonTensorStack:
+    """A ``NonTensorStack`` of batch ``(n,)`` (one object per row) or ``(n, W)``."""
+    if draw(st.booleans()):
+        return NonTensorStack(*draw(st.lists(store_object_values, min_size=n, max_size=n)))
+    width = draw(st.integers(1, 3))
+    rows = draw(st.lists(st.lists(st.text(max_size=3), min_size=width, max_size=width), min_size=n, max_size=n))
+    return NonTensorStack(*(NonTensorStack(*row) for row in rows))
+
+
+def store_columns(n: int) -> st.SearchStrategy[Any]:
+    """A column of ``n`` rows of any kind a store keeps: dense, jagged, object array or NonTensorStack."""
+    return st.one_of(dense_columns(n), jagged_columns(n), object_array_columns(n), non_tensor_stack_columns(n))
+
+
+store_keys = st.lists(keys, min_size=1, max_size=6, unique=True)
+"""Unique row keys of one put (digits and ``@`` included, so prefixes like ``6@a`` / ``16@a`` occur)."""
+
+
+STORE_FIELDS = ("f0", "f1", "f2", "f3")
+
+
+@st.composite
+def store_batches(draw: st.DrawFn, *, key_pool: Sequence[str] | None = None) -> tuple[list[str], TensorDict]:
+    """``(keys, fields)``: a TensorDict of batch ``[len(keys)]`` with 1-4 columns of mixed kinds named from ``STORE_FIELDS``.
+
+    Keys are fresh, or a non-empty subset of ``key_pool`` in random order (so successive batches overlap).
+    """
+    if key_pool is None:
+        ks = draw(store_keys)
+    else:
+        ks = draw(st.lists(st.sampled_from(list(key_pool)), min_size=1, max_size=len(key_pool), unique=True))
+    n = len(ks)
+    td = TensorDict(batch_size=[n])
+    for name in draw(st.lists(st.sampled_from(STORE_FIELDS), min_size=1, unique=True)):
+        td[name] = draw(store_columns(n))
+    return ks, td

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m shell.bench <name>`` measures and prints a table beside the baselines."""

@@ -1,0 +1,503 @@
+"""Laws of length-balanced DP sharding (``core/sharding.py``).
+
+Partition and inverse laws for every mode, uniform micro-batch counts and
+capacity under packing / dynamic batching, balance bounds against plain
+reference algorithms, and the error paths.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core.meta import KVBatchMeta
+from core.packing import pack_sequences
+from core.sharding import (
+    DynamicBatchingSpec,
+    PackingSpec,
+    balanced_partition,
+    global_pad_length,
+    shard_meta_for_dp,
+)
+from tests.property.strategies import (
+    equal_partition_cases,
+    free_partition_cases,
+    micro_batching_cases,
+    sharding_cases,
+)
+
+MICRO = settings(max_examples=40)  # each example shards a whole meta; keeps the file fast
+
+
+# ---------------------------------------------------------------- plain references
+
+
+def _stride_reference(weights: list[int], parts: int) -> list[list[int]]:
+    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+    return [order[r::parts] for r in range(parts)]
+
+
+def _lpt_reference(weights: list[int], parts: int, *, equal_size: bool) -> list[list[int]]:
+    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    if equal_size:
+        for start in range(0, len(order), parts):
+            lightest = sorted(range(parts), key=lambda p: (loads[p], p))
+            for item, p in zip(order[start : start + parts], lightest):
+                groups[p].append(item)
+                loads[p] += weights[item]
+        return groups
+    heap = [(0, p) for p in range(parts)]
+    for item in order:
+        load, p = heapq.heappop(heap)
+        groups[p].append(item)
+        heapq.heappush(heap, (load + weights[item], p))
+    return groups
+
+
+def _max_sum(weights: list[int], groups: list[list[int]] | tuple[tuple[int, ...], ...]) -> int:
+    return max((sum(weights[i] for i in g) for g in groups), default=0)
+
+
+def _lognormal(n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return np.clip(np.rint(rng.lognormal(np.log(700), 1.0, n)), 16, 8192).astype(int).tolist()
+
+
+def _padded(length: int, spec: PackingSpec | DynamicBatchingSpec) -> int:
+    step = spec.sequence_length_pad_multiple if isinstance(spec, PackingSpec) else spec.sequence_length_round
+    return -(-length // step) * step
+
+
+def _micro_batch_tokens(lengths: list[int], spec: PackingSpec | DynamicBatchingSpec) -> int:
+    """A micro-batch's padded tokens, computed with a plain loop."""
+    if isinstance(spec, PackingSpec):
+        return sum(_padded(x, spec) for x in lengths)
+    return len(lengths) * max(_padded(x, spec) for x in lengths)
+
+
+def _concat_keys(shards: tuple[KVBatchMeta, ...]) -> list[str]:
+    return [k for s in shards for k in s.keys]
+
+
+# ---------------------------------------------------------------- balanced_partition
+
+
+@given(equal_partition_cases())
+def test_balanced_partition_equal_size_is_a_partition_into_equal_parts(case: tuple[list[float], int]) -> None:
+    """Equal-size mode: every index exactly once, every part of len(weights) // parts items."""
+    weights, parts = case
+    result = balanced_partition(weights, parts)
+    assert len(result) == parts
+    assert sorted(i for part in result for i in part) == list(range(len(weights)))
+    assert {len(part) for part in result} <= {len(weights) // parts}
+
+
+@given(free_partition_cases())
+def test_balanced_partition_free_size_is_a_partition(case: tuple[list[float], int]) -> None:
+    """Non-equal mode: ``parts`` parts holding every index exactly once."""
+    weights, parts = case
+    result = balanced_partition(weights, parts, equal_size=False)
+    assert len(result) == parts
+    assert sorted(i for part in result for i in part) == list(range(len(weights)))
+
+
+@given(free_partition_cases())
+def test_balanced_partition_parts_ascend_and_are_ordered_by_first_index(case: tuple[list[float], int]) -> None:
+    """Indices ascend inside a part; non-empty parts are ordered by first index, empty parts last."""
+    weights, parts = case
+    result = balanced_partition(weights, parts, equal_size=False)
+    assert all(list(part) == sorted(part) for part in result)
+    firsts = [part[0] for part in result if part]
+    assert firsts == sorted(firsts)
+    assert all(not part for part in result[len(firsts) :])
+
+
+@given(equal_partition_cases(integral=True))
+def test_balanced_partition_equal_size_never_worse_than_stride_or_lpt(case: tuple[list[int], int]) -> None:
+    """Equal size: the largest part sum is at most sort-then-stride's and equal-size LPT's."""
+    weights, parts = case
+    ours = _max_sum(weights, balanced_partition(weights, parts))
+    assert ours <= _max_sum(weights, _stride_reference(weights, parts))
+    assert ours <= _max_sum(weights, _lpt_reference(weights, parts, equal_size=True))
+
+
+@given(free_partition_cases(integral=True))
+def test_balanced_partition_free_size_never_worse_than_lpt(case: tuple[list[int], int]) -> None:
+    """Non-equal size: the largest part sum is at most plain LPT's, and never below the lower bound."""
+    weights, parts = case
+    ours = _max_sum(weights, balanced_partition(weights, parts, equal_size=False))
+    assert ours <= _max_sum(weights, _lpt_reference(weights, parts, equal_size=False))
+    assert ours >= max(max(weights, default=0), math.ceil(sum(weights) / parts))
+
+
+@given(free_partition_cases())
+def test_balanced_partition_is_deterministic(case: tuple[list[float], int]) -> None:
+    """Equal inputs give equal partitions (list, tuple and numpy inputs alike)."""
+    weights, parts = case
+    first = balanced_partition(weights, parts, equal_size=False)
+    assert balanced_partition(tuple(weights), parts, equal_size=False) == first
+    assert balanced_partition(np.asarray(weights), parts, equal_size=False) == first
+
+
+def test_balanced_partition_meets_the_balance_target_on_lognormal_lengths() -> None:
+    """N=512, 32 parts, seeds 0..19: mean over seeds of max/mean part sum is <= 1.001."""
+    ratios = []
+    for seed in range(20):
+        weights = _lognormal(512, seed)
+        ratios.append(_max_sum(weights, balanced_partition(weights, 32)) / (sum(weights) / 32))
+    assert sum(ratios) / len(ratios) <= 1.001
+
+
+def test_balanced_partition_rejects_an_uneven_equal_size_split() -> None:
+    """Equal size needs len(weights) % parts == 0; the message shows the non-equal call."""
+    with pytest.raises(ValueError, match=r"got 5 weights and parts=2.*equal_size=False"):
+        balanced_partition([1, 2, 3, 4, 5], 2)
+
+
+def test_balanced_partition_rejects_bad_parts() -> None:
+    """``parts`` must be an int >= 1."""
+    with pytest.raises(ValueError, match="'parts' must be >= 1: got 0"):
+        balanced_partition([], 0)
+    with pytest.raises(TypeError, match="'parts' must be an int: got float"):
+        balanced_partition([1.0], 1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("weights", "error", "pattern"),
+    [
+        ([1, -2], ValueError, r"'weights' entries must be >= 0: got -2 at index 1"),
+        ([1.0, float("nan")], ValueError, r"'weights' entries must be finite: got nan at index 1"),
+        ([1, True], TypeError, r"'weights' entries must be int or float: got bool at index 1"),
+        ([1, "2"], TypeError, r"'weights' entries must be int or float: got str at index 1"),
+        ("12", TypeError, r"'weights' must be a sequence of numbers: got str"),
+        (np.ones((2, 2)), ValueError, r"'weights' must be 1-dimensional"),
+    ],
+)
+def test_balanced_partition_rejects_bad_weights(weights: object, error: type[Exception], pattern: str) -> None:
+    """Weights must be a 1-d sequence of finite, non-negative numbers."""
+    with pytest.raises(error, match=pattern):
+        balanced_partition(weights, 1, equal_size=False)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- specs
+
+
+def test_specs_have_documented_defaults() -> None:
+    """A spec built with only the capacity uses BFD and no padding."""
+    assert PackingSpec(8192) == PackingSpec(8192, "best_fit_decreasing", 1)
+    assert DynamicBatchingSpec(4096).sequence_length_round == 1
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "pattern"),
+    [
+        (lambda: PackingSpec(0), ValueError, "'max_tokens_per_microbatch' must be >= 1: got 0"),
+        (lambda: PackingSpec(8, sequence_length_pad_multiple=0), ValueError, "'sequence_length_pad_multiple' must be >= 1"),
+        (lambda: PackingSpec(8, algorithm="best_fit"), ValueError, r"'algorithm' must be one of .*got 'best_fit'"),
+        (lambda: PackingSpec(8, algorithm=1), TypeError, "'algorithm' must be a str"),
+        (lambda: PackingSpec(8.0), TypeError, "'max_tokens_per_microbatch' must be an int: got float"),
+        (lambda: DynamicBatchingSpec(-1), ValueError, "'max_tokens_per_microbatch' must be >= 1: got -1"),
+        (lambda: DynamicBatchingSpec(8, sequence_length_round=True), TypeError, "'sequence_length_round' must be an int: got bool"),
+    ],
+)
+def test_specs_reject_invalid_fields(build: object, error: type[Exception], pattern: str) -> None:
+    """Spec fields are validated on construction."""
+    with pytest.raises(error, match=pattern):
+        build()  # type: ignore[operator]
+
+
+# ---------------------------------------------------------------- shard_meta_for_dp: every mode
+
+
+@given(st.one_of(sharding_cases(with_lengths=None).map(lambda c: (*c, None)), micro_batching_cases()))
+@MICRO
+def test_shard_meta_for_dp_partitions_the_keys(case: tuple) -> None:
+    """The shards' keys are disjoint and together are exactly meta.keys; there is one shard per rank."""
+    meta, dp, batch_size, spec = case
+    shards, _ = _shard(meta, dp, batch_size, spec)
+    assert len(shards) == dp
+    concat = _concat_keys(shards)
+    assert len(concat) == len(set(concat)) == len(meta)
+    assert set(concat) == set(meta.keys)
+
+
+@given(st.one_of(sharding_cases(with_lengths=None).map(lambda c: (*c, None)), micro_batching_cases()))
+@MICRO
+def test_shard_meta_for_dp_unsorted_inverts_the_concatenation(case: tuple) -> None:
+    """concat_keys[unsorted[i]] == meta.keys[i] for every row i."""
+    meta, dp, batch_size, spec = case
+    shards, unsorted = _shard(meta, dp, batch_size, spec)
+    concat = _concat_keys(shards)
+    assert sorted(unsorted) == list(range(len(meta)))
+    assert [concat[unsorted[i]] for i in range(len(meta))] == list(meta.keys)
+
+
+@given(st.one_of(sharding_cases(with_lengths=None).map(lambda c: (*c, None)), micro_batching_cases()))
+@MICRO
+def test_shard_meta_for_dp_rows_keep_their_lengths_tags_and_batch_fields(case: tuple) -> None:
+    """Each key keeps its length and tags; every shard keeps partition_id, fields, task_name, extra_info."""
+    meta, dp, batch_size, spec = case
+    shards, _ = _shard(meta, dp, batch_size, spec)
+    source = {k: i for i, k in enumerate(meta.keys)}
+    for shard in shards:
+        assert (shard.partition_id, shard.fields, shard.task_name) == (meta.partition_id, meta.fields, meta.task_name)
+        assert all(shard.extra_info[name] == value for name, value in meta.extra_info.items())
+        rows = [source[k] for k in shard.keys]
+        if meta.sequence_lengths is not None:
+            assert shard.sequence_lengths == tuple(meta.sequence_lengths[i] for i in rows)
+        if meta.tags is not None:
+            assert shard.tags == tuple(meta.tags[i] for i in rows)
+
+
+@given(st.one_of(sharding_cases(with_lengths=None).map(lambda c: (*c, None)), micro_batching_cases()))
+@MICRO
+def test_shard_meta_for_dp_keeps_global_batches_in_order(case: tuple) -> None:
+    """A shard holds global batch 0's rows, then global batch 1's, and so on."""
+    meta, dp, batch_size, spec = case
+    shards, _ = _shard(meta, dp, batch_size, spec)
+    size = batch_size or len(meta)
+    source = {k: i for i, k in enumerate(meta.keys)}
+    for shard in shards:
+        batch_of_row = [source[k] // size for k in shard.keys]
+        assert batch_of_row == sorted(batch_of_row)
+
+
+# ---------------------------------------------------------------- shard_meta_for_dp: no packing
+
+
+@given(sharding_cases(with_lengths=None))
+@MICRO
+def test_shard_meta_for_dp_gives_each_rank_an_equal_share_of_each_global_batch(case: tuple) -> None:
+    """Without packing, every rank gets batch_size // dp_world rows of every global batch."""
+    meta, dp, batch_size = case
+    shards, _ = shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size)
+    size = batch_size or len(meta)
+    source = {k: i for i, k in enumerate(meta.keys)}
+    for shard in shards:
+        counts = np.bincount([source[k] // size for k in shard.keys], minlength=len(meta) // size)
+        assert set(counts.tolist()) == {size // dp}
+
+
+@given(sharding_cases(with_lengths=True))
+@MICRO
+def test_shard_meta_for_dp_balances_each_global_batch_like_balanced_partition(case: tuple) -> None:
+    """Sharding then summing equals balanced_partition of each global batch (the reference)."""
+    meta, dp, batch_size = case
+    shards, _ = shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size)
+    size = batch_size or len(meta)
+    source = {k: i for i, k in enumerate(meta.keys)}
+    lengths = list(meta.sequence_lengths)
+    for start in range(0, len(meta), size):
+        reference = balanced_partition(lengths[start : start + size], dp)
+        expected = sorted(tuple(start + i for i in part) for part in reference)
+        got = sorted(tuple(source[k] for k in s.keys if start <= source[k] < start + size) for s in shards)
+        assert got == expected
+
+
+@given(sharding_cases(with_lengths=False))
+@MICRO
+def test_shard_meta_for_dp_splits_contiguously_without_lengths(case: tuple) -> None:
+    """Without lengths and packing, rank r gets the r-th block of each global batch and unsorted is the identity."""
+    meta, dp, batch_size = case
+    shards, unsorted = shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size)
+    size = batch_size or len(meta)
+    block = size // dp
+    for r, shard in enumerate(shards):
+        expected = [meta.keys[g + r * block + j] for g in range(0, len(meta), size) for j in range(block)]
+        assert list(shard.keys) == expected
+    if batch_size is None or batch_size == len(meta):
+        assert unsorted == tuple(range(len(meta)))
+
+
+def test_shard_meta_for_dp_of_an_empty_meta_gives_empty_shards() -> None:
+    """An empty meta has no global batches: every rank gets an empty shard, even with packing."""
+    meta = KVBatchMeta("p", [], sequence_lengths=[])
+    for spec in (None, PackingSpec(8)):
+        shards, unsorted = shard_meta_for_dp(meta, dp_world=3, packing=spec)
+        assert [len(s) for s in shards] == [0, 0, 0]
+        assert unsorted == ()
+
+
+# ---------------------------------------------------------------- shard_meta_for_dp: micro-batches
+
+
+def _shard(meta: KVBatchMeta, dp: int, batch_size: int | None, spec: object) -> tuple:
+    if isinstance(spec, PackingSpec):
+        return shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size, packing=spec)
+    if isinstance(spec, DynamicBatchingSpec):
+        return shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size, dynamic_batching=spec)
+    return shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size)
+
+
+@given(micro_batching_cases())
+@MICRO
+def test_shard_meta_for_dp_gives_every_rank_the_same_micro_batch_count(case: tuple) -> None:
+    """In each global batch every rank has the same (non-zero) number of micro-batches."""
+    meta, dp, batch_size, spec = case
+    shards, _ = _shard(meta, dp, batch_size, spec)
+    batches = len(meta) // (batch_size or len(meta))
+    per_rank = [[len(g) for g in s.extra_info["micro_batch_indices"]] for s in shards]
+    assert all(len(counts) == batches for counts in per_rank)
+    for g in range(batches):
+        assert len({counts[g] for counts in per_rank}) == 1
+        assert per_rank[0][g] >= 1
+
+
+@given(micro_batching_cases())
+@MICRO
+def test_shard_meta_for_dp_micro_batches_tile_the_shard_rows(case: tuple) -> None:
+    """micro_batch_indices are non-empty, contiguous, in order, and cover the shard's rows exactly."""
+    meta, dp, batch_size, spec = case
+    shards, _ = _shard(meta, dp, batch_size, spec)
+    for shard in shards:
+        spans = [span for batch in shard.extra_info["micro_batch_indices"] for span in batch]
+        position = 0
+        for start, end in spans:
+            assert start == position and end > start
+            position = end
+        assert position == len(shard)
+
+
+@given(micro_batching_cases())
+@MICRO
+def test_shard_meta_for_dp_micro_batches_respect_capacity_and_report_their_tokens(case: tuple) -> None:
+    """Each micro_batch_lengths entry equals a plain recount of its rows and is <= capacity."""
+    meta, dp, batch_size, spec = case
+    shards, _ = _shard(meta, dp, batch_size, spec)
+    for shard in shards:
+        spans = shard.extra_info["micro_batch_indices"]
+        tokens = shard.extra_info["micro_batch_lengths"]
+        assert [len(g) for g in spans] == [len(g) for g in tokens]
+        for batch_spans, batch_tokens in zip(spans, tokens):
+            for (start, end), count in zip(batch_spans, batch_tokens):
+                assert count == _micro_batch_tokens(list(shard.sequence_lengths[start:end]), spec)
+                assert count <= spec.max_tokens_per_microbatch
+
+
+@given(micro_batching_cases().filter(lambda c: isinstance(c[3], PackingSpec)))
+@MICRO
+def test_shard_meta_for_dp_packing_is_never_worse_than_packing_alone(case: tuple) -> None:
+    """Against pack_sequences per global batch (the reference): no more micro-batches per rank; as many only with no fuller one."""
+    meta, dp, batch_size, spec = case
+    shards, _ = _shard(meta, dp, batch_size, spec)
+    size = batch_size or len(meta)
+    padded = [_padded(x, spec) for x in meta.sequence_lengths]
+    for g, start in enumerate(range(0, len(meta), size)):
+        lengths = padded[start : start + size]
+        bins = pack_sequences(
+            lengths, capacity=spec.max_tokens_per_microbatch, algorithm=spec.algorithm, bin_count_multiple=dp, min_bin_count=dp
+        )
+        (count,) = {len(s.extra_info["micro_batch_indices"][g]) for s in shards}
+        assert count <= len(bins) // dp
+        if count == len(bins) // dp:
+            fullest = max(max(s.extra_info["micro_batch_lengths"][g]) for s in shards)
+            assert fullest <= max(sum(lengths[i] for i in b) for b in bins)
+
+
+def test_shard_meta_for_dp_packing_meets_count_and_sync_targets() -> None:
+    """N=512, capacity 8192, dp=8 (lognormal): ceil(ceil(sum/cap)/dp) micro-batches per rank, sync cost <= 1.01."""
+    for seed in range(4):
+        lengths = _lognormal(512, seed)
+        meta = KVBatchMeta("p", [f"k{i}" for i in range(512)], sequence_lengths=lengths)
+        shards, _ = shard_meta_for_dp(meta, dp_world=8, packing=PackingSpec(8192))
+        loads = [s.extra_info["micro_batch_lengths"][0] for s in shards]
+        assert {len(r) for r in loads} == {math.ceil(math.ceil(sum(lengths) / 8192) / 8)}
+        sync = sum(max(step) for step in zip(*loads)) / (sum(lengths) / 8)
+        assert sync <= 1.01
+
+
+def test_shard_meta_for_dp_dynamic_batching_pads_to_the_longest_row() -> None:
+    """Dynamic batching groups similar lengths; each micro-batch costs count x rounded longest row."""
+    meta = KVBatchMeta("p", list("abcdefgh"), sequence_lengths=[8, 1, 7, 2, 8, 1, 7, 2])
+    shards, unsorted = shard_meta_for_dp(meta, dp_world=2, dynamic_batching=DynamicBatchingSpec(16, sequence_length_round=4))
+    assert [s.extra_info["micro_batch_lengths"] for s in shards] == [((16, 8),), ((16, 8),)]
+    assert sorted(len(s) for s in shards) == [3, 5]
+    assert [_concat_keys(shards)[unsorted[i]] for i in range(8)] == list(meta.keys)
+
+
+# ---------------------------------------------------------------- shard_meta_for_dp: errors
+
+
+def _meta(n: int, lengths: list[int] | None = None) -> KVBatchMeta:
+    return KVBatchMeta("p", [f"k{i}" for i in range(n)], sequence_lengths=lengths if lengths is not None else [1] * n)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "pattern"),
+    [
+        (lambda: shard_meta_for_dp(_meta(4), dp_world=0), ValueError, "'dp_world' must be >= 1: got 0"),
+        (lambda: shard_meta_for_dp(["a"], dp_world=1), TypeError, "'meta' must be a KVBatchMeta: got list"),
+        (lambda: shard_meta_for_dp(_meta(6), dp_world=2, batch_size=4), ValueError, r"len\(meta\)=6, batch_size=4, dp_world=2"),
+        (lambda: shard_meta_for_dp(_meta(6), dp_world=4, batch_size=6), ValueError, r"len\(meta\)=6, batch_size=6, dp_world=4"),
+        (lambda: shard_meta_for_dp(_meta(5), dp_world=2), ValueError, r"got 5 rows and dp_world=2; pass batch_size="),
+        (
+            lambda: shard_meta_for_dp(_meta(4), dp_world=2, packing=PackingSpec(8), dynamic_batching=DynamicBatchingSpec(8)),
+            ValueError,
+            "mutually exclusive",
+        ),
+        (
+            lambda: shard_meta_for_dp(KVBatchMeta("p", ["a", "b"]), dp_world=2, packing=PackingSpec(8)),
+            ValueError,
+            r"'sequence_lengths' is required for packing.*attrs.evolve\(meta, sequence_lengths=",
+        ),
+        (
+            lambda: shard_meta_for_dp(_meta(2, [3, 9]), dp_world=1, packing=PackingSpec(8)),
+            ValueError,
+            r"row 'k1' has 9 tokens \(9 padded\), above 'max_tokens_per_microbatch' \(8\)",
+        ),
+        (
+            lambda: shard_meta_for_dp(_meta(2, [3, 7]), dp_world=1, dynamic_batching=DynamicBatchingSpec(8, sequence_length_round=5)),
+            ValueError,
+            r"row 'k1' has 7 tokens \(10 padded\)",
+        ),
+        (lambda: shard_meta_for_dp(_meta(3), dp_world=4, packing=PackingSpec(8)), ValueError, r"has 3 rows, too few for 4"),
+        (lambda: shard_meta_for_dp(_meta(4), dp_world=2, packing={"max_tokens": 8}), TypeError, "'packing' must be a PackingSpec"),
+    ],
+)
+def test_shard_meta_for_dp_rejects_misuse(call: object, error: type[Exception], pattern: str) -> None:
+    """Each documented misuse raises with a message naming the values involved."""
+    with pytest.raises(error, match=pattern):
+        call()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("spec", [PackingSpec(8), DynamicBatchingSpec(8)], ids=["packing", "dynamic"])
+def test_shard_meta_for_dp_rejects_batches_without_a_uniform_micro_batch_count(spec: object) -> None:
+    """5 full rows need 5 micro-batches, so 2 ranks cannot get the same number of non-empty ones."""
+    meta = _meta(5, [8] * 5)
+    with pytest.raises(ValueError, match=r"rows \[0, 5\) has 5 rows, too few for 6 non-empty micro-batches"):
+        _shard(meta, 2, None, spec)
+
+
+# ---------------------------------------------------------------- global_pad_length
+
+
+@given(st.lists(st.integers(0, 10_000), max_size=30), st.integers(1, 128))
+def test_global_pad_length_is_the_smallest_multiple_covering_every_length(lengths: list[int], multiple: int) -> None:
+    """The result is a multiple of ``multiple``, >= every length, and the smallest such (0 for no lengths)."""
+    pad = global_pad_length(lengths, multiple=multiple)
+    assert pad % multiple == 0
+    assert all(pad >= x for x in lengths)
+    assert pad - multiple < max(lengths, default=0) or pad == 0
+    assert global_pad_length(np.asarray(lengths, dtype=np.int64), multiple=multiple) == pad
+
+
+@pytest.mark.parametrize(
+    ("lengths", "multiple", "error", "pattern"),
+    [
+        ([1, 2], 0, ValueError, "'multiple' must be >= 1: got 0"),
+        ([1, -2], 1, ValueError, "'lengths' entries must be >= 0: got -2 at index 1"),
+        ([1, 2.5], 1, TypeError, "'lengths' entries must be int: got float at index 1"),
+        (5, 1, TypeError, "'lengths' must be a sequence of ints: got int"),
+    ],
+)
+def test_global_pad_length_rejects_bad_arguments(lengths: object, multiple: int, error: type[Exception], pattern: str) -> None:
+    """``multiple`` must be >= 1 and lengths non-negative ints."""
+    with pytest.raises(error, match=pattern):
+        global_pad_length(lengths, multiple=multiple)  # type: ignore[arg-type]
