@@ -1,0 +1,147 @@
+"""Column I/O: the three ways trainers move columns through a data-plane client.
+
+* :func:`first_write`: the rollout's one bulk put. Per-token fields go on the
+  wire jagged (``core.codec.pack_fields``), so padding never travels.
+* :func:`read_columns`: read columns by a meta's keys; per-token fields come
+  back padded to the step's ``global_forward_pad_seqlen`` when the meta
+  carries one (so every DP rank forwards at the same length).
+* :func:`write_columns`: write results back under the same keys; per-token
+  results are trimmed to each row's length first, so they line up with the
+  jagged rows of the first write.
+
+Invariant: ``read_columns(c, first_write(c, f, ...), names, layout="jagged")``
+returns the token fields of ``f`` trimmed to their lengths and the other
+fields unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from adapters.rows import build_tensordict, read_columns_of
+from core.codec import Layout, is_jagged, materialize, pack_fields, to_jagged
+from core.meta import KVBatchMeta
+from shell.dataplane import DataPlaneClient
+
+GLOBAL_FORWARD_PAD_SEQLEN = "global_forward_pad_seqlen"
+Columns = Mapping[str, Any]
+
+
+def _columns(fields: TensorDict | Columns) -> dict[str, Any]:
+    if isinstance(fields, TensorDict):
+        return read_columns_of(fields)
+    if isinstance(fields, Mapping):
+        return dict(fields)
+    raise TypeError(f"'fields' must be a TensorDict or a mapping of name -> column: got {type(fields).__name__}")
+
+
+def first_write(
+    client: DataPlaneClient,
+    fields: TensorDict | Columns,
+    *,
+    keys: Sequence[str],
+    partition_id: str,
+    lengths: Sequence[int],
+    token_fields: Collection[str],
+    tags: Sequence[Mapping[str, Any]] | None = None,
+    extra_info: Mapping[str, Any] | None = None,
+) -> KVBatchMeta:
+    """Put a rollout batch once: token fields jagged, the rest as they are.
+
+    Args:
+        client: the store.
+        fields: ``(N, S, ...)`` token fields and any other ``(N, ...)`` columns.
+        keys: one key per row.
+        partition_id: the partition to write.
+        lengths: valid tokens per row (stored as the meta's sequence lengths).
+        token_fields: names of the per-token fields.
+        tags: optional per-row tags.
+        extra_info: batch-wide metadata to put on the returned meta.
+
+    Returns:
+        The receipt, with ``sequence_lengths``, ``tags`` and ``extra_info``.
+
+    Raises:
+        ValueError: a token field is missing or narrower than its rows, or
+            sizes do not match (see ``core.codec.pack_fields`` and the port).
+    """
+    columns = _columns(fields)
+    tensors = {k: v for k, v in columns.items() if isinstance(v, torch.Tensor)}
+    packed = pack_fields(tensors, lengths=lengths, token_fields=token_fields)
+    wire = build_tensordict({**columns, **packed}, len(keys))
+    receipt = client.put(keys, partition_id, wire, tags=tags, sequence_lengths=lengths)
+    return receipt.with_extra_info(**dict(extra_info or {}))
+
+
+def read_columns(
+    client: DataPlaneClient,
+    meta: KVBatchMeta,
+    fields: Sequence[str],
+    *,
+    layout: Layout = "padded",
+    pad_values: Mapping[str, float | int | bool] | None = None,
+) -> TensorDict:
+    """Read ``fields`` of ``meta``'s rows, in ``meta.keys`` order.
+
+    With ``layout="padded"`` jagged (per-token) fields are padded to
+    ``meta.extra_info["global_forward_pad_seqlen"]`` when it is set, else to
+    the longest row; ``pad_values`` gives per-field pad values (default 0).
+    With ``layout="jagged"`` they stay jagged.
+
+    Raises:
+        KeyError: a key or a field is not stored (see the port).
+        ValueError: a row is longer than the global pad length.
+    """
+    out = client.get(meta.keys, meta.partition_id, list(fields))
+    columns = read_columns_of(out)
+    pad_to = meta.extra_info.get(GLOBAL_FORWARD_PAD_SEQLEN)
+    tensors = {k: v for k, v in columns.items() if isinstance(v, torch.Tensor)}
+    shaped = materialize(tensors, layout=layout, pad_values=pad_values, pad_to_length=pad_to if layout == "padded" else None)
+    return build_tensordict({**columns, **shaped}, len(meta))
+
+
+def write_columns(
+    client: DataPlaneClient,
+    meta: KVBatchMeta,
+    fields: TensorDict | Columns,
+    *,
+    token_fields: Collection[str] | None = None,
+) -> KVBatchMeta:
+    """Write result columns back under ``meta``'s keys; return ``meta`` listing the new fields.
+
+    Per-token results are trimmed to each row's length (``meta.sequence_lengths``)
+    and written jagged. ``token_fields`` names them; when None, a dense tensor
+    of 2 or more dims whose dim 1 is at least the longest row (and wider than
+    1) is taken as per-token, and a jagged tensor is written as it is.
+
+    Raises:
+        ValueError: per-token fields need ``meta.sequence_lengths``; a field's
+            rows do not match the key count.
+    """
+    columns = _columns(fields)
+    lengths = meta.sequence_lengths
+    if token_fields is None:
+        longest = max(lengths, default=0) if lengths is not None else None
+        token_fields = [
+            name
+            for name, v in columns.items()
+            if isinstance(v, torch.Tensor) and not is_jagged(v) and v.dim() >= 2 and longest is not None
+            and v.shape[1] >= longest and v.shape[1] > 1
+        ]
+    missing = sorted(set(token_fields) - set(columns))
+    if missing:
+        raise ValueError(f"'token_fields' must name fields being written: {missing} are not in {sorted(columns)}")
+    token_fields = [name for name in token_fields if not is_jagged(columns[name])]
+    if token_fields and lengths is None:
+        raise ValueError(
+            f"'meta.sequence_lengths' is needed to trim per-token fields {sorted(token_fields)}: got None; "
+            f"write them jagged or pass token_fields=()"
+        )
+    for name in token_fields:
+        columns[name] = to_jagged(columns[name], lengths)  # type: ignore[arg-type]
+    client.put(meta.keys, meta.partition_id, build_tensordict(columns, len(meta)))
+    return meta.with_fields(columns)

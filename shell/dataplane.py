@@ -1,0 +1,170 @@
+"""The data-plane port: how the shell talks to a key/value store of per-row tensors.
+
+A store holds rows under ``(partition_id, key)``; each row has named fields.
+``put`` returns a :class:`core.meta.KVBatchMeta` receipt; ``get`` reads columns
+back by key. Every adapter (``adapters.memory.MemoryStore``,
+``adapters.transfer_queue.TransferQueueStore``) keeps these semantics, checked
+by one contract suite (``tests/e2e/test_store_contract.py``):
+
+* **Shape-faithful round trips.** A dense ``(N, ...)`` field comes back dense,
+  a jagged field jagged with the same rows, ``(N,)`` stays ``(N,)`` and
+  ``(N, 1)`` stays ``(N, 1)``; object columns come back equal and in the same
+  container kind; every dtype is kept.
+* **Fail loudly.** A field that some keys lack raises ``KeyError`` naming the
+  field and the keys; unknown or cleared keys raise ``KeyError``; duplicate
+  keys, a batch size that differs from the key count, and tags or lengths not
+  1:1 with keys raise ``ValueError`` before any I/O, so a rejected put writes
+  nothing.
+* **Exact clears.** ``clear(K)`` leaves every key outside ``K`` readable.
+* **Independent partitions; last write wins** for a field under a key.
+
+This module holds the protocols and the pre-I/O validation every adapter calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from tensordict import TensorDict
+
+from core.meta import KVBatchMeta
+
+Keys = Sequence[str]
+Tags = Sequence[Mapping[str, Any]]
+SeqLens = Sequence[int]
+
+
+@runtime_checkable
+class DataPlaneClient(Protocol):
+    """Synchronous store client. See the module docstring for the semantics."""
+
+    def put(
+        self,
+        keys: Keys,
+        partition_id: str,
+        fields: TensorDict,
+        *,
+        tags: Tags | None = None,
+        sequence_lengths: SeqLens | None = None,
+    ) -> KVBatchMeta:
+        """Write ``fields`` (batch size ``len(keys)``) under ``keys``; return the receipt."""
+        ...
+
+    def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
+        """Read ``select_fields`` of ``keys`` (in that order) as a TensorDict of batch size ``len(keys)``."""
+        ...
+
+    def clear(self, keys: Keys, partition_id: str) -> None:
+        """Remove ``keys`` (all their fields and tags) from ``partition_id``."""
+        ...
+
+    def list_keys(self, partition_id: str) -> tuple[str, ...]:
+        """The keys currently stored in ``partition_id`` (empty for an unknown partition)."""
+        ...
+
+    def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta:
+        """What is stored for ``keys``: the fields every key holds, merged tags and sequence lengths.
+
+        Raises:
+            KeyError: some keys are not stored.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the client's resources. Closing twice does nothing."""
+        ...
+
+
+@runtime_checkable
+class AsyncDataPlaneClient(Protocol):
+    """Asynchronous form of :class:`DataPlaneClient`: the same methods, as coroutines."""
+
+    async def put(
+        self,
+        keys: Keys,
+        partition_id: str,
+        fields: TensorDict,
+        *,
+        tags: Tags | None = None,
+        sequence_lengths: SeqLens | None = None,
+    ) -> KVBatchMeta: ...
+
+    async def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict: ...
+
+    async def clear(self, keys: Keys, partition_id: str) -> None: ...
+
+    async def list_keys(self, partition_id: str) -> tuple[str, ...]: ...
+
+    async def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta: ...
+
+    async def close(self) -> None: ...
+
+
+def validate_put(
+    keys: Keys,
+    partition_id: str,
+    fields: TensorDict,
+    *,
+    tags: Tags | None = None,
+    sequence_lengths: SeqLens | None = None,
+) -> KVBatchMeta:
+    """Check a put's arguments and build its receipt, before any I/O.
+
+    Returns:
+        The ``KVBatchMeta`` receipt: ``fields`` lists the written field names.
+
+    Raises:
+        TypeError: ``fields`` is not a TensorDict.
+        ValueError: keys repeat or are empty; the batch size differs from the
+            key count; tags or lengths are not 1:1 with keys; no field given.
+    """
+    if not isinstance(fields, TensorDict):
+        raise TypeError(
+            f"'fields' must be a TensorDict with batch_size [len(keys)]: got {type(fields).__name__}; "
+            f"wrap it, e.g. TensorDict(fields, batch_size=[{len(keys)}])"
+        )
+    receipt = KVBatchMeta(
+        partition_id=partition_id,
+        keys=keys,
+        fields=tuple(fields.keys()),
+        sequence_lengths=sequence_lengths,
+        tags=tags,
+    )
+    batch = fields.batch_size[0] if len(fields.batch_size) else None
+    if batch != len(receipt):
+        raise ValueError(f"'fields' batch size must equal the key count {len(receipt)}: got {batch}")
+    if not receipt.fields:
+        raise ValueError("'fields' must hold at least one field: got an empty TensorDict")
+    if not receipt.keys:
+        raise ValueError("'keys' must name at least one row: got none")
+    return receipt
+
+
+def validate_get(keys: Keys, partition_id: str, select_fields: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Check a get's arguments; return ``(keys, select_fields)`` as tuples.
+
+    Raises:
+        ValueError: keys repeat or are empty, or no field is selected.
+        TypeError: ``select_fields`` is a single string.
+    """
+    meta = KVBatchMeta(partition_id=partition_id, keys=keys, fields=select_fields)
+    if not meta.fields:
+        raise ValueError("'select_fields' must name at least one field: got none")
+    if not meta.keys:
+        raise ValueError("'keys' must name at least one row: got none")
+    return meta.keys, meta.fields
+
+
+def missing_field_error(field: str, partition_id: str, keys: Sequence[str]) -> KeyError:
+    """The ``KeyError`` every adapter raises when ``field`` is absent for ``keys``."""
+    shown = list(keys[:5])
+    more = f" (and {len(keys) - 5} more)" if len(keys) > 5 else ""
+    return KeyError(f"field {field!r} is missing in partition {partition_id!r} for {len(keys)} keys: {shown}{more}")
+
+
+def unknown_keys_error(partition_id: str, keys: Sequence[str]) -> KeyError:
+    """The ``KeyError`` every adapter raises for keys that are not stored (never put, or cleared)."""
+    shown = list(keys[:5])
+    more = f" (and {len(keys) - 5} more)" if len(keys) > 5 else ""
+    return KeyError(f"{len(keys)} keys are not stored in partition {partition_id!r}: {shown}{more}")

@@ -1,0 +1,190 @@
+"""MeteredClient: counters, per-step deltas, outstanding bytes, and integrity checks against injected corruption."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from adapters.memory import MemoryStore
+from adapters.rows import columns_equal, read_columns_of
+from core.codec import to_jagged
+from core.meta import KVBatchMeta
+from shell.dataplane import DataPlaneClient
+from shell.metering import DIGEST_PREFIX, DataPlaneEvent, IntegrityError, MeteredClient
+
+LENGTHS = [5, 0, 3, 7]
+KEYS = [f"k{i}" for i in range(len(LENGTHS))]
+
+
+def _batch() -> TensorDict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (4, 8), generator=g)
+    td = TensorDict(
+        {
+            "input_ids": to_jagged(ids, LENGTHS),
+            "logprobs": to_jagged(torch.randn(4, 8, generator=g).to(torch.bfloat16), LENGTHS),
+            "mask": to_jagged(torch.rand(4, 8, generator=g) > 0.5, LENGTHS),
+            "reward": torch.tensor([0.5, 1.0, 0.0, 0.25]),
+        },
+        batch_size=[4],
+    )
+    td["prompt"] = np.array(["a", {"b": {1, 2}}, None, 3], dtype=object)
+    return td
+
+
+class FaultyStore:
+    """Wraps a store and corrupts the named field of every get with ``corrupt``."""
+
+    def __init__(self, inner: DataPlaneClient, field: str, corrupt: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.inner, self.field, self.corrupt = inner, field, corrupt
+
+    def put(self, keys: Sequence[str], partition_id: str, fields: TensorDict, **kw: object) -> KVBatchMeta:
+        return self.inner.put(keys, partition_id, fields, **kw)  # type: ignore[arg-type]
+
+    def get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
+        out = self.inner.get(keys, partition_id, select_fields)
+        if self.field in out.keys():
+            out.set(self.field, self.corrupt(out.get(self.field)))
+        return out
+
+    def clear(self, keys: Sequence[str], partition_id: str) -> None:
+        self.inner.clear(keys, partition_id)
+
+    def list_keys(self, partition_id: str) -> tuple[str, ...]:
+        return self.inner.list_keys(partition_id)
+
+    def describe(self, keys: Sequence[str], partition_id: str) -> KVBatchMeta:
+        return self.inner.describe(keys, partition_id)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _rows(j: torch.Tensor) -> list[torch.Tensor]:
+    return [r.clone() for r in j.unbind()]
+
+
+def _jag(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def _change_element(j: torch.Tensor) -> torch.Tensor:
+    rows = _rows(j)
+    rows[3][2] += 1
+    return _jag(rows)
+
+
+def _truncate(j: torch.Tensor) -> torch.Tensor:
+    rows = _rows(j)
+    rows[3] = rows[3][:-1]
+    return _jag(rows)
+
+
+def _swap(j: torch.Tensor) -> torch.Tensor:
+    rows = _rows(j)
+    rows[0], rows[3] = rows[3], rows[0]
+    return _jag(rows)
+
+
+def _permute_within(j: torch.Tensor) -> torch.Tensor:
+    rows = _rows(j)
+    rows[0] = rows[0].flip(0)
+    return _jag(rows)
+
+
+def _constant(j: torch.Tensor) -> torch.Tensor:
+    rows = _rows(j)
+    rows[3] = torch.full_like(rows[3], int(rows[3][0]))
+    return _jag(rows)
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "bad_keys"),
+    [(_change_element, {"k3"}), (_truncate, {"k3"}), (_swap, {"k0", "k3"}), (_permute_within, {"k0"}), (_constant, {"k3"})],
+    ids=["changed-element", "truncated-row", "swapped-rows", "permuted-within-row", "constant-row"],
+)
+def test_metered_client_get_raises_integrity_error_on_corruption(corrupt: Callable[[torch.Tensor], torch.Tensor], bad_keys: set[str]) -> None:
+    """Every injected corruption of a stored row raises IntegrityError naming the keys and the field."""
+    client = MeteredClient(FaultyStore(MemoryStore(), "input_ids", corrupt), verify_integrity=True)
+    client.put(KEYS, "p", _batch())
+    with pytest.raises(IntegrityError, match=r"fields \['input_ids'\] differ") as info:
+        client.get(KEYS, "p", ["input_ids", "reward"])
+    assert set(info.value.keys) == bad_keys
+    assert info.value.fields == ("input_ids",)
+
+
+def test_metered_client_detects_changed_bf16_and_bool_elements() -> None:
+    """A flipped element in a bf16 or bool field is caught."""
+    for field in ("logprobs", "mask"):
+        flip = (lambda j: _jag([~r if r.dtype == torch.bool else r + 1 for r in _rows(j)]))
+        client = MeteredClient(FaultyStore(MemoryStore(), field, flip), verify_integrity=True)
+        client.put(KEYS, "p", _batch())
+        with pytest.raises(IntegrityError, match=field):
+            client.get(KEYS, "p", [field])
+
+
+def test_metered_client_integrity_round_trip_never_false_alarms() -> None:
+    """Uncorrupted data, read in any key order and field subset, passes and equals what was put."""
+    client = MeteredClient(MemoryStore(), verify_integrity=True)
+    batch = _batch()
+    receipt = client.put(KEYS, "p", batch)
+    assert not any(f.startswith(DIGEST_PREFIX) for f in receipt.fields)
+    order = [KEYS[i] for i in (3, 1, 0, 2)]
+    fields = ["input_ids", "prompt", "reward", "logprobs"]
+    got = read_columns_of(client.get(order, "p", fields))
+    plain = MemoryStore()
+    plain.put(KEYS, "p", batch)
+    reference = read_columns_of(plain.get(order, "p", fields))
+    assert set(got) == set(fields)
+    for name in fields:
+        assert columns_equal(got[name], reference[name]), name
+    assert not any(f.startswith(DIGEST_PREFIX) for f in client.describe(KEYS, "p").fields)
+
+
+def test_metered_client_counts_calls_keys_bytes_and_outstanding() -> None:
+    """Counters follow puts, gets and clears; outstanding bytes return to zero after clearing every key."""
+    events: list[DataPlaneEvent] = []
+    client = MeteredClient(MemoryStore(), on_event=events.append)
+    client.put(KEYS, "p", _batch())
+    tokens = sum(LENGTHS)
+    payload = tokens * (8 + 2 + 1) + 4 * 4  # int64 ids, bf16 logprobs, bool mask, float32 reward
+    snap = client.snapshot()
+    assert snap.ops["put"].calls == 1 and snap.ops["put"].keys == 4 and snap.ops["put"].bytes == payload
+    assert snap.outstanding_bytes == {"p": payload} and snap.outstanding_keys == {"p": 4}
+    client.get(KEYS[:2], "p", ["input_ids"])
+    first = client.step_delta()
+    assert first.ops["get"].calls == 1 and first.ops["get"].bytes == (LENGTHS[0] + LENGTHS[1]) * 8
+    client.put(KEYS[:1], "p", TensorDict({"reward": torch.tensor([9.0])}, batch_size=[1]))
+    assert client.snapshot().outstanding_bytes == {"p": payload}, "a rewrite replaces, it does not add"
+    client.clear(KEYS[:1], "p")
+    second = client.step_delta()
+    assert second.ops["put"].calls == 1 and second.ops["get"].calls == 0 and second.ops["clear"].calls == 1
+    assert second.ops["clear"].bytes == LENGTHS[0] * 11 + 4
+    client.clear(KEYS[1:], "p")
+    final = client.snapshot()
+    assert final.outstanding_bytes == {"p": 0} and final.outstanding_keys == {"p": 0}
+    assert final.ops["clear"].bytes == payload
+    assert [e.op for e in events] == ["put", "get", "put", "clear", "clear"]
+    assert all(e.wall_ms >= 0 for e in events)
+    flat = final.flat()
+    assert flat["put_calls"] == 2 and flat["outstanding_bytes"] == 0
+
+
+def test_metered_client_rejects_reserved_field_names() -> None:
+    """User fields may not start with the digest prefix, and nothing is written."""
+    client = MeteredClient(MemoryStore(), verify_integrity=True)
+    bad = TensorDict({DIGEST_PREFIX + "x": torch.zeros(1)}, batch_size=[1])
+    with pytest.raises(ValueError, match="reserved for integrity digests"):
+        client.put(["a"], "p", bad)
+    assert client.list_keys("p") == ()
+
+
+def test_metered_client_passes_errors_through() -> None:
+    """Errors of the inner client (unknown keys) reach the caller unchanged."""
+    client = MeteredClient(MemoryStore(), verify_integrity=True)
+    with pytest.raises(KeyError, match="not stored"):
+        client.get(["nope"], "p", ["x"])
