@@ -32,9 +32,9 @@ it back the same way, so a reader gets the container kind a writer put.
 
 :func:`columns_equal` is the matching bitwise equality of two columns.
 
-The TransferQueue adapter returns rectangular fields as jagged and drops
-non-tensor payloads; it stores :meth:`ColumnSpec.to_tag` per key and restores
-the kind with :func:`stack_column`.
+:func:`column_spec` checks a column exactly as :func:`split_column` does but
+with whole-column work only: the TransferQueue adapter uses it to send tensor
+columns whole, and splits and stacks only object columns.
 """
 
 from __future__ import annotations
@@ -196,6 +196,37 @@ def common_spec(name: str, specs: Mapping[str, ColumnSpec]) -> ColumnSpec:
 # ---------------------------------------------------------------- split
 
 
+def column_spec(name: str, value: Any, n: int) -> ColumnSpec:
+    """The spec of a column of ``n`` rows, checked exactly as :func:`split_column` checks it, without splitting it.
+
+    Whole-column work only (no per-row copies): a store that moves tensor
+    columns as they are uses this to validate them.
+
+    Args:
+        name: the field name (for messages).
+        value: a column as :func:`split_column` takes it.
+        n: the batch size.
+
+    Returns:
+        The spec :func:`split_column` would return for ``value``.
+
+    Raises:
+        TypeError: as :func:`split_column`.
+        ValueError: as :func:`split_column`.
+
+    Example:
+        >>> column_spec("ids", torch.nested.nested_tensor([torch.ones(2), torch.ones(1)], layout=torch.jagged), 2)
+        ColumnSpec(kind='jagged', dtype='float32', shape=())
+    """
+    field = f"field {name!r}"
+    value = _unwrap(field, name, value)
+    if isinstance(value, torch.Tensor):
+        return _tensor_spec(field, value, n)
+    if isinstance(value, np.ndarray):
+        return _object_array_spec(field, value, n)
+    return _stack_spec(field, value, n)
+
+
 def split_column(name: str, value: Any, n: int) -> tuple[ColumnSpec, Rows]:
     """Split a column of ``n`` rows into its spec and ``n`` independent row values.
 
@@ -224,6 +255,18 @@ def split_column(name: str, value: Any, n: int) -> tuple[ColumnSpec, Rows]:
         (ColumnSpec(kind='dense', dtype='float32', shape=()), [1.0, 2.0])
     """
     field = f"field {name!r}"
+    value = _unwrap(field, name, value)
+    if isinstance(value, torch.Tensor):
+        spec = _tensor_spec(field, value, n)
+        return spec, [_copy_tensor(row) for row in value.detach().unbind(0)]
+    if isinstance(value, np.ndarray):
+        spec = _object_array_spec(field, value, n)
+        return spec, [copy.deepcopy(value[i]) for i in range(n)]
+    return _stack_spec(field, value, n), copy.deepcopy(value.tolist())
+
+
+def _unwrap(field: str, name: str, value: Any) -> Any:
+    """The column a value holds (a ``NonTensorData`` object array unwrapped); TypeError for unsupported kinds."""
     if isinstance(value, NonTensorData):
         data = value.data
         if not isinstance(data, np.ndarray):
@@ -233,12 +276,8 @@ def split_column(name: str, value: Any, n: int) -> tuple[ColumnSpec, Rows]:
                 f"td[{name!r}] = NonTensorStack(*values), or as np.array(values, dtype=object)"
             )
         value = data
-    if isinstance(value, torch.Tensor):
-        return _split_tensor(field, value, n)
-    if isinstance(value, np.ndarray):
-        return _split_object_array(field, value, n)
-    if isinstance(value, NonTensorStack):
-        return _split_stack(field, value, n)
+    if isinstance(value, (torch.Tensor, np.ndarray, NonTensorStack)):
+        return value
     if isinstance(value, TensorDictBase):
         raise TypeError(
             f"{field} must be a tensor, jagged tensor, object array or NonTensorStack: got a nested "
@@ -258,14 +297,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _split_tensor(field: str, value: torch.Tensor, n: int) -> tuple[ColumnSpec, Rows]:
+def _tensor_spec(field: str, value: torch.Tensor, n: int) -> ColumnSpec:
     if is_jagged(value):
         ragged = [i for i, size in enumerate(value.shape) if isinstance(size, torch.SymInt)]
         if ragged != [1]:
             raise ValueError(f"{field} must be a jagged tensor ragged along dim 1: got ragged dims {ragged}")
         _check_rows(field, value.shape[0], n)
-        spec = ColumnSpec("jagged", _dtype_name(value.dtype), tuple(value.shape[2:]))
-        return spec, [_copy_tensor(row) for row in value.detach().unbind(0)]
+        return ColumnSpec("jagged", _dtype_name(value.dtype), tuple(value.shape[2:]))
     if value.is_nested:
         raise TypeError(
             f"{field} must be dense or a torch.jagged nested tensor: got a nested tensor with layout "
@@ -276,15 +314,14 @@ def _split_tensor(field: str, value: torch.Tensor, n: int) -> tuple[ColumnSpec, 
     if value.dim() == 0:
         raise ValueError(f"{field} must have a batch dim of {n} rows: got a 0-d tensor")
     _check_rows(field, value.shape[0], n)
-    spec = ColumnSpec("dense", _dtype_name(value.dtype), tuple(value.shape[1:]))
-    return spec, [_copy_tensor(row) for row in value.detach().unbind(0)]
+    return ColumnSpec("dense", _dtype_name(value.dtype), tuple(value.shape[1:]))
 
 
 def _copy_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _split_object_array(field: str, value: np.ndarray, n: int) -> tuple[ColumnSpec, Rows]:
+def _object_array_spec(field: str, value: np.ndarray, n: int) -> ColumnSpec:
     if value.dtype != object:
         raise TypeError(
             f"{field} must be a numpy array of dtype object: got dtype {value.dtype}; "
@@ -293,16 +330,14 @@ def _split_object_array(field: str, value: np.ndarray, n: int) -> tuple[ColumnSp
     if value.ndim == 0:
         raise ValueError(f"{field} must have a batch dim of {n} rows: got a 0-d object array")
     _check_rows(field, value.shape[0], n)
-    spec = ColumnSpec("object_array", OBJECT_DTYPE, value.shape[1:])
-    return spec, [copy.deepcopy(value[i]) for i in range(n)]
+    return ColumnSpec("object_array", OBJECT_DTYPE, value.shape[1:])
 
 
-def _split_stack(field: str, value: NonTensorStack, n: int) -> tuple[ColumnSpec, Rows]:
+def _stack_spec(field: str, value: NonTensorStack, n: int) -> ColumnSpec:
     if len(value.batch_size) == 0:
         raise ValueError(f"{field} must have a batch dim of {n} rows: got a NonTensorStack of batch size []")
     _check_rows(field, value.batch_size[0], n)
-    spec = ColumnSpec("non_tensor_stack", OBJECT_DTYPE, tuple(value.batch_size[1:]))
-    return spec, copy.deepcopy(value.tolist())
+    return ColumnSpec("non_tensor_stack", OBJECT_DTYPE, tuple(value.batch_size[1:]))
 
 
 # ---------------------------------------------------------------- stack

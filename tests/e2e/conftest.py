@@ -1,11 +1,13 @@
-"""Fixtures of the store lane: a ``store`` per adapter and a fresh partition per test.
+"""Fixtures of the e2e lane: a ``store`` per adapter, a fresh partition per test, the session's Ray and TransferQueue.
 
 ``STORE_FACTORIES`` maps an adapter name to a factory that takes the pytest
 request and returns a new client. The ``store`` fixture is parametrized over its
-names, so every contract test runs once per adapter. An adapter that needs a
-session resource gets it through the request, e.g. a TransferQueue factory calls
-``request.getfixturevalue("ray_cluster")`` for a session-scoped Ray fixture, so
-Ray starts once per session and never inside a test body.
+names (with the marks in ``STORE_MARKS``), so every contract test runs once per
+adapter. An adapter that needs a session resource gets it through the request:
+the TransferQueue factory calls ``request.getfixturevalue("tq_store_session")``,
+so Ray and TransferQueue start once per session (``ray_cluster``,
+``tq_store_session``) and never inside a test body. Each test gets its own
+attached handle, whose ``close()`` leaves TransferQueue running.
 
 Tests use their own ``partition`` (a fresh uuid) so a store shared across tests
 never mixes their keys.
@@ -13,27 +15,87 @@ never mixes their keys.
 
 from __future__ import annotations
 
+import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+import ray
 
 from adapters.memory import MemoryStore
+from adapters.transfer_queue import TransferQueueStore, is_running
 from shell.dataplane import DataPlaneClient
 
 StoreFactory = Callable[[pytest.FixtureRequest], DataPlaneClient]
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root: put on the path of Ray workers so actors import the project."""
 
 
 def _memory_store(request: pytest.FixtureRequest) -> DataPlaneClient:
     return MemoryStore()
 
 
+def _transfer_queue_store(request: pytest.FixtureRequest) -> DataPlaneClient:
+    request.getfixturevalue("tq_store_session")
+    return TransferQueueStore.attach()
+
+
 STORE_FACTORIES: dict[str, StoreFactory] = {
     "memory": _memory_store,
+    "transfer_queue": _transfer_queue_store,
 }
 
+STORE_MARKS: dict[str, tuple[pytest.MarkDecorator, ...]] = {
+    "transfer_queue": (pytest.mark.e2e,),
+}
+"""Marks of each adapter's params (TransferQueue needs real Ray: ``e2e``)."""
 
-@pytest.fixture(params=list(STORE_FACTORIES))
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for the session, shut down at the end.
+
+    CPUs are logical (at least 8): TransferQueue's controller and storage units
+    take one each, which a 2-core machine could not schedule otherwise.
+    """
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        num_cpus=max(8, os.cpu_count() or 1),
+        include_dashboard=False,
+        namespace="rl-dataplane-tests",
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tq_store_session(ray_cluster: None) -> Iterator[TransferQueueStore]:
+    """TransferQueue (SimpleStorage) started once on the session's Ray cluster; the owning store.
+
+    Teardown closes it twice (the second close must be a no-op) and checks
+    that TransferQueue's controller is gone while Ray, which this store did not
+    start, keeps running.
+    """
+    store = TransferQueueStore.start()
+    try:
+        yield store
+    finally:
+        store.close()
+        store.close()
+        deadline = time.monotonic() + 10.0  # ray.kill of the controller completes asynchronously
+        while is_running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not is_running(), "closing the owning store must shut TransferQueue's controller down"
+        assert ray.is_initialized(), "closing TransferQueue must leave the session's Ray running"
+
+
+@pytest.fixture(params=[pytest.param(name, marks=STORE_MARKS.get(name, ())) for name in STORE_FACTORIES])
 def store(request: pytest.FixtureRequest) -> Iterator[DataPlaneClient]:
     """A fresh client of each adapter in ``STORE_FACTORIES``, closed after the test."""
     client = STORE_FACTORIES[request.param](request)
