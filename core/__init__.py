@@ -1,6 +1,7 @@
 """Pure, deterministic core of the data plane (no I/O). Public names are re-exported here."""
 
 from core.codec import Layout, is_jagged, jagged_lengths, materialize, pack_fields, to_jagged, to_padded
+from core.dispatch import dp_results, replica_groups, shard_for_ranks
 from core.frozen import FrozenDict, freeze, thaw
 from core.grpo import (
     clipped_policy_loss,
@@ -20,6 +21,7 @@ from core.sharding import (
     balanced_partition,
     global_pad_length,
     shard_meta_for_dp,
+    shard_row_indices,
 )
 from core.topology import AXES, NamedSharding
 
@@ -36,6 +38,7 @@ __all__ = [
     "balanced_partition",
     "clipped_policy_loss",
     "dapo_keep_mask",
+    "dp_results",
     "freeze",
     "global_pad_length",
     "group_baseline",
@@ -50,8 +53,11 @@ __all__ = [
     "object_row_digests",
     "pack_fields",
     "pack_sequences",
+    "replica_groups",
     "packing_lower_bound",
+    "shard_for_ranks",
     "shard_meta_for_dp",
+    "shard_row_indices",
     "tensor_row_digests",
     "thaw",
     "to_jagged",

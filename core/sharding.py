@@ -902,3 +902,31 @@ def _deal(bins: list[list[int]], loads: list[int], steps: list[int], dp: int) ->
             rank_loads[r].append(int(loads[b]))
             totals[r] += int(loads[b])
     return plan, rank_loads
+
+
+def shard_row_indices(shards: Sequence[KVBatchMeta], unsorted: Sequence[int]) -> Partition:
+    """The caller-order row positions each shard holds, from :func:`shard_meta_for_dp`'s output.
+
+    Rank ``r``'s rows are ``meta.subset(shard_row_indices(shards, unsorted)[r])``:
+    the same rows, in the same order, as ``shards[r]``. The legacy in-memory
+    path uses this to slice a batch exactly as the data-plane path fetches it.
+
+    Raises:
+        ValueError: ``unsorted`` is not a permutation of the shards' total row count.
+
+    Example:
+        >>> shards, unsorted = shard_meta_for_dp(meta, dp_world=2)
+        >>> rows = shard_row_indices(shards, unsorted)
+        >>> all(meta.subset(r).keys == s.keys for r, s in zip(rows, shards))
+        True
+    """
+    total = sum(len(s) for s in shards)
+    if len(unsorted) != total:
+        raise ValueError(f"'unsorted' must have {total} entries (one per sharded row): got {len(unsorted)}")
+    concat_to_caller = inverse_permutation(unsorted)
+    out = []
+    offset = 0
+    for shard in shards:
+        out.append(tuple(concat_to_caller[offset : offset + len(shard)]))
+        offset += len(shard)
+    return tuple(out)

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m shell.bench {balance} [--seeds N] [--markdown]``."""
+"""Entry point: ``python -m shell.bench {balance,dataplane,policy} [options] [--markdown]``."""
 
 from __future__ import annotations
 
@@ -14,14 +14,35 @@ def main(argv: list[str] | None = None) -> int:
     balance = sub.add_parser("balance", help="sharding and packing quality against baselines")
     balance.add_argument("--seeds", type=int, default=20, help="number of seeded instances per cell (default 20)")
     balance.add_argument("--markdown", action="store_true", help="print Markdown tables (for docs/benchmarks.md)")
+    dataplane = sub.add_parser("dataplane", help="store throughput and overheads against raw transports")
+    dataplane.add_argument("--repeats", type=int, default=9, help="timed runs per transport (default 9, at least 7 recommended)")
+    dataplane.add_argument("--rows", type=int, default=256, help="rows in the payload (default 256)")
+    dataplane.add_argument("--profile", action="store_true", help="also profile the adapter's put and get")
+    dataplane.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    policy = sub.add_parser("policy", help="bytes through the driver and wall time: legacy vs data-plane policy")
+    policy.add_argument("--repeats", type=int, default=3, help="timed calls per path (default 3)")
+    policy.add_argument("--rows", type=int, default=256, help="ragged rows in the batch (default 256, even)")
+    policy.add_argument("--markdown", action="store_true", help="print Markdown tables")
     args = parser.parse_args(argv)
-    if args.seeds < 1:
+    if getattr(args, "seeds", 1) < 1:
         parser.error(f"--seeds must be >= 1: got {args.seeds}")
+    if getattr(args, "repeats", 1) < 1 or getattr(args, "rows", 1) < 1:
+        parser.error("--repeats and --rows must be >= 1")
     report = Report(markdown=args.markdown)
     if args.name == "balance":
         from shell.bench.balance import BalanceConfig, run
 
         run(BalanceConfig(seeds=args.seeds), report)
+    elif args.name == "dataplane":
+        from shell.bench.dataplane import DataplaneConfig
+        from shell.bench.dataplane import run as run_dataplane
+
+        run_dataplane(DataplaneConfig(rows=args.rows, repeats=args.repeats, profile=args.profile), report)
+    elif args.name == "policy":
+        from shell.bench.policy import PolicyBenchConfig
+        from shell.bench.policy import run as run_policy
+
+        run_policy(PolicyBenchConfig(rows=args.rows, repeats=args.repeats), report)
     return 0
 
 

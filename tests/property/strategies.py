@@ -423,3 +423,58 @@ def store_batches(draw: st.DrawFn, *, key_pool: Sequence[str] | None = None) -> 
     for name in draw(st.lists(st.sampled_from(STORE_FIELDS), min_size=1, unique=True)):
         td[name] = draw(store_columns(n))
     return ks, td
+
+# ---------------------------------------------------------------- policy (shell/policy.py parity)
+
+
+@st.composite
+def policy_batches(
+    draw: st.DrawFn, *, max_dp: int = 4, max_len: int = 16, vocab: int = 32
+) -> tuple[TensorDict, int, int | None, PackingSpec | DynamicBatchingSpec | None]:
+    """``(data, dp, train_global_batch_size, spec)``: a ragged in-memory GRPO batch and how to shard it.
+
+    ``data`` holds ``input_ids`` (dense with junk past each row's end, or jagged),
+    ``token_mask`` (bool), ``prev_logprobs`` (float32), ``advantages`` ([N] float32)
+    and ``lengths`` (in ``[1, max_len]``); ``N`` is a multiple of ``dp``.
+    """
+    dp = draw(st.integers(1, max_dp))
+    per_rank = draw(st.integers(1, 6))
+    n = dp * per_rank
+    steps = draw(st.sampled_from([s for s in range(1, per_rank + 1) if per_rank % s == 0]))
+    gbs = draw(st.sampled_from([None, n // steps]))
+    lengths = draw(st.lists(st.integers(1, max_len), min_size=n, max_size=n))
+    width = max(lengths) + draw(st.integers(0, 3))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, width), generator=g)  # junk past each row's end on purpose
+    mask = torch.rand(n, width, generator=g) > 0.3
+    prev = torch.randn(n, width, generator=g)
+    columns: dict[str, Any] = {
+        "input_ids": ids,
+        "token_mask": mask,
+        "prev_logprobs": prev,
+        "advantages": torch.randn(n, generator=g),
+        "lengths": torch.tensor(lengths, dtype=torch.long),
+    }
+    if draw(st.booleans()):
+        from core.codec import to_jagged
+
+        columns["input_ids"] = to_jagged(ids, lengths)
+    kind = draw(st.sampled_from(["none", "packing", "dynamic"]))
+    spec: PackingSpec | DynamicBatchingSpec | None = None
+    if kind == "packing":
+        multiple = draw(st.sampled_from([1, 2, 4]))
+        longest = -(-max(lengths) // multiple) * multiple
+        spec = PackingSpec(
+            max_tokens_per_microbatch=longest * draw(st.integers(1, 4)),
+            algorithm=draw(packing_algorithms),
+            sequence_length_pad_multiple=multiple,
+        )
+    elif kind == "dynamic":
+        rounding = draw(st.sampled_from([1, 4]))
+        longest = -(-max(lengths) // rounding) * rounding
+        spec = DynamicBatchingSpec(max_tokens_per_microbatch=longest * draw(st.integers(1, 4)), sequence_length_round=rounding)
+    td = TensorDict(batch_size=[n])
+    for name, value in columns.items():
+        td.set(name, value)
+    return td, dp, gbs, spec

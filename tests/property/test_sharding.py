@@ -23,6 +23,7 @@ from core.sharding import (
     balanced_partition,
     global_pad_length,
     shard_meta_for_dp,
+    shard_row_indices,
 )
 from tests.property.strategies import (
     equal_partition_cases,
@@ -501,3 +502,23 @@ def test_global_pad_length_rejects_bad_arguments(lengths: object, multiple: int,
     """``multiple`` must be >= 1 and lengths non-negative ints."""
     with pytest.raises(error, match=pattern):
         global_pad_length(lengths, multiple=multiple)  # type: ignore[arg-type]
+
+
+@given(micro_batching_cases())
+@settings(max_examples=40)
+def test_shard_row_indices_select_each_shards_rows(case: tuple[KVBatchMeta, int, int | None, PackingSpec | DynamicBatchingSpec]) -> None:
+    """Subsetting the caller's meta by shard_row_indices gives exactly each shard's keys, in order."""
+    meta, dp, batch_size, spec = case
+    kwargs = {"packing": spec} if isinstance(spec, PackingSpec) else {"dynamic_batching": spec}
+    shards, unsorted = shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size, **kwargs)
+    rows = shard_row_indices(shards, unsorted)
+    assert [meta.subset(r).keys for r in rows] == [s.keys for s in shards]
+    assert sorted(i for r in rows for i in r) == list(range(len(meta)))
+
+
+def test_shard_row_indices_rejects_wrong_length() -> None:
+    """unsorted must have one entry per sharded row."""
+    meta = KVBatchMeta("p", ["a", "b"], sequence_lengths=[1, 2])
+    shards, _ = shard_meta_for_dp(meta, dp_world=2)
+    with pytest.raises(ValueError, match=r"'unsorted' must have 2 entries \(one per sharded row\): got 3"):
+        shard_row_indices(shards, [0, 1, 2])

@@ -1,0 +1,521 @@
+"""MegatronGPTBackend on CPU: TP, PP and DP process groups (gloo) against a single-rank reference.
+
+Each layout is one world of fresh processes (``torch.multiprocessing`` with a
+fork server that has imported megatron once, a ``FileStore`` rendezvous, one
+torch thread per rank) that runs every check for that layout
+once and sends its results back; a module-scoped fixture caches each world, and
+the tests assert on the results. The single-rank world is the reference: TP=2
+must match it to float tolerance, PP=2 bitwise, and DP=2 x PP=2 (each replica
+on its own micro-batch) must reach the single rank's state after one step on
+both.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from adapters.megatron import MegatronGPTBackend, MicroBatch, TinyGPTConfig
+from adapters.megatron_cpu import apply_cpu_shim, cpu_shim_applied
+from core.topology import NamedSharding
+
+pytestmark = pytest.mark.e2e
+
+CONFIG = TinyGPTConfig(vocab_size=32, hidden_size=64, num_layers=2, num_attention_heads=4, max_sequence_length=64)
+SEED = 0
+STEPS = 4
+WORLD_TIMEOUT_S = 240.0
+INPUT_IDS = torch.randint(0, CONFIG.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
+LENGTHS = torch.tensor([12, 7, 3, 10])
+MICRO_BATCHES: list[dict[str, torch.Tensor]] = [
+    {"input_ids": INPUT_IDS[:2], "lengths": LENGTHS[:2]},
+    {"input_ids": INPUT_IDS[2:, :10], "lengths": LENGTHS[2:].clamp(max=10)},  # a different shape on purpose
+]
+Results = dict[str, Any]
+
+
+def _loss_fn(logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean negative log-likelihood over the scored tokens (positions 1 .. length - 1)."""
+    tokens = (micro_batch["lengths"] - 1).sum()
+    return -logprobs.sum() / tokens, {"tokens": float(tokens)}
+
+
+def _backend(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = SEED) -> MegatronGPTBackend:
+    return MegatronGPTBackend(CONFIG, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, seed=seed)
+
+
+def _capture(call: Callable[[], object]) -> BaseException | None:
+    """The exception ``call`` raises, or None; sent back so the parent can re-raise it under ``pytest.raises``."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - any exception is the result here
+        return error
+    return None
+
+
+def _reraise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
+# -- scenarios: run on every rank of a world -----------------------------------------------------------
+
+
+def _single_rank(rank: int, inputs: Results) -> Results:
+    out: Results = {"shim_before": cpu_shim_applied()}
+    apply_cpu_shim()
+    depth = torch._C._len_torch_function_stack()  # the mode stack the shim pushes its remap onto
+    apply_cpu_shim()
+    out["shim_depth_change"] = torch._C._len_torch_function_stack() - depth
+    out["shim_cuda_tensor_device"] = torch.zeros(1, device="cuda").device
+    out["shim_current_device"] = torch.cuda.current_device()
+
+    backend = _backend()
+    out["logprobs"] = backend.logprobs(INPUT_IDS, LENGTHS)
+    out["logprobs_again"] = backend.logprobs(INPUT_IDS, LENGTHS)
+    from_thread: Results = {}
+    worker = threading.Thread(target=lambda: from_thread.update(logprobs=backend.logprobs(INPUT_IDS, LENGTHS)))
+    worker.start()
+    worker.join()
+    out["logprobs_from_other_thread"] = from_thread.get("logprobs")
+    out["reference_logprobs"] = backend.reference_logprobs(INPUT_IDS, LENGTHS)
+    prefix = INPUT_IDS[0, :5].expand(CONFIG.vocab_size, -1)
+    continuations = torch.cat([prefix, torch.arange(CONFIG.vocab_size)[:, None]], dim=1)
+    out["continuation_logprobs"] = backend.logprobs(continuations, torch.full((CONFIG.vocab_size,), 6))[:, -1]
+    mutated = INPUT_IDS.clone()
+    mutated[:, 6] = (mutated[:, 6] + 1) % CONFIG.vocab_size
+    out["mutated_logprobs"] = backend.logprobs(mutated, LENGTHS)
+    repadded = INPUT_IDS.clone()
+    past_end = torch.arange(INPUT_IDS.shape[1])[None, :] >= LENGTHS[:, None]
+    repadded[past_end] = (repadded[past_end] + 7) % CONFIG.vocab_size
+    out["repadded_logprobs"] = backend.logprobs(repadded, LENGTHS)
+    out["initial_state"] = backend.state_dict()
+
+    twin, other = _backend(), _backend(seed=SEED + 1)
+    out["twin_logprobs"] = twin.logprobs(INPUT_IDS, LENGTHS)
+    out["other_seed_logprobs"] = other.logprobs(INPUT_IDS, LENGTHS)
+    one_step = _backend()
+    out["one_step"] = {"result": one_step.train_step(MICRO_BATCHES, _loss_fn), "state": one_step.state_dict()}
+
+    out["steps"] = [backend.train_step(MICRO_BATCHES, _loss_fn) for _ in range(STEPS)]
+    out["twin_steps"] = [twin.train_step(MICRO_BATCHES, _loss_fn) for _ in range(STEPS)]
+    out["trained_state"] = backend.state_dict()
+    out["twin_trained_state"] = twin.state_dict()
+    out["trained_logprobs"] = backend.logprobs(INPUT_IDS, LENGTHS)
+    out["reference_logprobs_after"] = backend.reference_logprobs(INPUT_IDS, LENGTHS)
+    out["reference_state_after"] = backend.reference_state_dict()
+    backend.load_state_dict(out["initial_state"])
+    out["reloaded_logprobs"] = backend.logprobs(INPUT_IDS, LENGTHS)
+
+    missing = dict(out["initial_state"])
+    missing.pop("output_layer.weight")
+    reshaped = {**out["initial_state"], "output_layer.weight": torch.zeros(3, 3)}
+    out["errors"] = {
+        "float_ids": _capture(lambda: backend.logprobs(INPUT_IDS.float(), LENGTHS)),
+        "token_out_of_vocab": _capture(lambda: backend.logprobs(INPUT_IDS + CONFIG.vocab_size, LENGTHS)),
+        "length_too_long": _capture(lambda: backend.logprobs(INPUT_IDS, LENGTHS + 1)),
+        "lengths_wrong_count": _capture(lambda: backend.reference_logprobs(INPUT_IDS, LENGTHS[:3])),
+        "float_lengths": _capture(lambda: backend.logprobs(INPUT_IDS, LENGTHS.float())),
+        "empty_micro_batches": _capture(lambda: backend.train_step([], _loss_fn)),
+        "micro_batch_without_lengths": _capture(
+            lambda: backend.train_step([{"input_ids": INPUT_IDS}], _loss_fn)
+        ),
+        "loss_not_scalar": _capture(
+            lambda: backend.train_step(MICRO_BATCHES[:1], lambda lp, mb: (lp.sum(dim=1), {}))
+        ),
+        "state_missing_key": _capture(lambda: backend.load_state_dict(missing)),
+        "state_wrong_shape": _capture(lambda: backend.load_state_dict(reshaped)),
+    }
+    return out
+
+
+def _model_parallel(rank: int, inputs: Results) -> Results:
+    backend = _backend(tensor_parallel=inputs["tensor_parallel"], pipeline_parallel=inputs["pipeline_parallel"])
+    out: Results = {
+        "coords": backend.parallel_coords(),
+        "logprobs": backend.logprobs(INPUT_IDS, LENGTHS),
+        "reference_logprobs": backend.reference_logprobs(INPUT_IDS, LENGTHS),
+        "initial_state": backend.state_dict(),
+        "steps": [backend.train_step(MICRO_BATCHES, _loss_fn) for _ in range(STEPS)],
+    }
+    out["trained_state"] = backend.state_dict()
+    out["trained_logprobs"] = backend.logprobs(INPUT_IDS, LENGTHS)
+    backend.load_state_dict(inputs["state"])
+    out["loaded_logprobs"] = backend.logprobs(INPUT_IDS, LENGTHS)
+    return out
+
+
+def _data_parallel(rank: int, inputs: Results) -> Results:
+    backend = _backend(pipeline_parallel=inputs["pipeline_parallel"])
+    coords = backend.parallel_coords()
+    result = backend.train_step([MICRO_BATCHES[coords["data_parallel"]]], _loss_fn)
+    return {"coords": coords, "result": result, "state": backend.state_dict(), "data_parallel": backend.data_parallel}
+
+
+SCENARIOS: dict[str, Callable[[int, Results], Results]] = {
+    "single_rank": _single_rank,
+    "model_parallel": _model_parallel,
+    "data_parallel": _data_parallel,
+}
+
+
+# -- worlds --------------------------------------------------------------------------------------------
+
+
+def _dumps(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rank_main(rank: int, world: int, store: str, scenario: str, inputs: bytes, results: Any) -> None:
+    """One rank: join the gloo group through ``store``, run ``scenario``, send ``(rank, ok, payload)``."""
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        payload = _dumps(SCENARIOS[scenario](rank, _loads(inputs)))
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, True, payload))
+    except BaseException:  # noqa: BLE001 - the traceback is the result
+        results.put((rank, False, traceback.format_exc()))
+
+
+def _run_world(world: int, scenario: str, tmp: Path, inputs: Results | None = None) -> list[Results]:
+    """Run ``scenario`` on ``world`` fresh ranks; their results by rank. Fails the test on a rank's error or a hang."""
+    context = mp.get_context("forkserver")
+    # The fork server imports megatron once; each rank forks from it instead of importing it again.
+    context.set_forkserver_preload([__name__])
+    results = context.Queue()
+    store = tmp / f"{scenario}-{world}-{time.monotonic_ns()}.store"
+    ranks = [
+        context.Process(target=_rank_main, args=(r, world, str(store), scenario, _dumps(inputs or {}), results))
+        for r in range(world)
+    ]
+    for process in ranks:
+        process.start()
+    got: dict[int, Results] = {}
+    deadline = time.monotonic() + WORLD_TIMEOUT_S
+    try:
+        while len(got) < world:
+            if time.monotonic() > deadline:
+                pytest.fail(f"world {scenario!r} of {world} ranks did not finish in {WORLD_TIMEOUT_S:.0f}s")
+            try:
+                rank, ok, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.exitcode for p in ranks if p.exitcode not in (None, 0)]
+                if dead:
+                    pytest.fail(f"world {scenario!r}: a rank exited with code {dead[0]} before reporting")
+                continue
+            if not ok:
+                pytest.fail(f"world {scenario!r}, rank {rank} raised:\n{payload}")
+            got[rank] = _loads(payload)
+        for process in ranks:
+            process.join(timeout=30)
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [got[r] for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def world_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory for this module's rendezvous files."""
+    return tmp_path_factory.mktemp("megatron")
+
+
+@pytest.fixture(scope="module")
+def single(world_dir: Path) -> Results:
+    """The single-rank world's results: the reference every other layout is checked against."""
+    return _run_world(1, "single_rank", world_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(world_dir: Path, single: Results) -> list[Results]:
+    """Results of the TP=2 world, by rank; it also loads the single rank's trained state."""
+    inputs = {"tensor_parallel": 2, "pipeline_parallel": 1, "state": single["trained_state"]}
+    return _run_world(2, "model_parallel", world_dir, inputs)
+
+
+@pytest.fixture(scope="module")
+def pipeline_parallel(world_dir: Path, single: Results) -> list[Results]:
+    """Results of the PP=2 world, by rank; it also loads the single rank's trained state."""
+    inputs = {"tensor_parallel": 1, "pipeline_parallel": 2, "state": single["trained_state"]}
+    return _run_world(2, "model_parallel", world_dir, inputs)
+
+
+@pytest.fixture(scope="module")
+def data_parallel(world_dir: Path) -> list[Results]:
+    """Results of the DP=2 x PP=2 world: replica d takes one step on micro-batch d alone."""
+    return _run_world(4, "data_parallel", world_dir, {"pipeline_parallel": 2})
+
+
+def _states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _states_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0.0, atol=atol) for k in a)
+
+
+def _losses(steps: list[dict[str, Any]]) -> list[float]:
+    return [step["loss"] for step in steps]
+
+
+def _grad_norms(steps: list[dict[str, Any]]) -> list[float]:
+    return [step["grad_norm"] for step in steps]
+
+
+# -- in-process checks (no process group) --------------------------------------------------------------
+
+
+def test_tiny_gpt_config_rejects_heads_not_dividing_hidden() -> None:
+    """hidden_size must split evenly over the attention heads."""
+    with pytest.raises(ValueError, match=r"'hidden_size' must be a multiple of 'num_attention_heads' \(5\): got 64"):
+        TinyGPTConfig(num_attention_heads=5)
+
+
+def test_tiny_gpt_config_rejects_non_int_sizes() -> None:
+    """Sizes are positive ints."""
+    with pytest.raises(TypeError, match=r"'vocab_size' must be int: got float"):
+        TinyGPTConfig(vocab_size=32.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'num_layers' must be a positive int: got 0"):
+        TinyGPTConfig(num_layers=0)
+
+
+def test_backend_rejects_context_parallel() -> None:
+    """context_parallel > 1 is refused: the local layer spec has no context-parallel attention."""
+    with pytest.raises(ValueError, match=r"'context_parallel' must be 1 .*: got 2"):
+        MegatronGPTBackend(CONFIG, tensor_parallel=1, pipeline_parallel=1, context_parallel=2, seed=SEED)
+
+
+def test_backend_rejects_sizes_that_do_not_divide_the_model() -> None:
+    """TP must divide the heads and PP the layers."""
+    with pytest.raises(ValueError, match=r"'tensor_parallel' \(3\) must divide num_attention_heads: got .* = 4"):
+        MegatronGPTBackend(CONFIG, tensor_parallel=3, pipeline_parallel=1, seed=SEED)
+    with pytest.raises(ValueError, match=r"'pipeline_parallel' \(4\) must divide num_layers: got num_layers = 2"):
+        MegatronGPTBackend(CONFIG, tensor_parallel=1, pipeline_parallel=4, seed=SEED)
+
+
+def test_backend_rejects_unknown_device_and_bad_learning_rate() -> None:
+    """device is "cpu" or "cuda"; learning_rate is a positive float."""
+    with pytest.raises(ValueError, match=r"'device' must be one of \['cpu', 'cuda'\]: got 'tpu'"):
+        MegatronGPTBackend(CONFIG, tensor_parallel=1, pipeline_parallel=1, seed=SEED, device="tpu")
+    with pytest.raises(TypeError, match=r"'learning_rate' must be float: got int \(1\)"):
+        MegatronGPTBackend(CONFIG, tensor_parallel=1, pipeline_parallel=1, seed=SEED, learning_rate=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'learning_rate' must be positive: got -0.1"):
+        MegatronGPTBackend(CONFIG, tensor_parallel=1, pipeline_parallel=1, seed=SEED, learning_rate=-0.1)
+
+
+def test_backend_requires_initialised_process_group() -> None:
+    """Without torch.distributed initialised the backend says which call is missing, and patches nothing."""
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"torch.distributed must be initialised .*init_process_group"):
+        MegatronGPTBackend(CONFIG, tensor_parallel=1, pipeline_parallel=1, seed=SEED)
+    assert not cpu_shim_applied(), "a refused backend must not have patched this process"
+
+
+# -- single rank ---------------------------------------------------------------------------------------
+
+
+def test_apply_cpu_shim_is_idempotent_and_maps_cuda_to_cpu(single: Results) -> None:
+    """The shim is off until applied; a second call pushes nothing more; CUDA allocations land on CPU."""
+    assert single["shim_before"] is False
+    assert single["shim_depth_change"] == 0
+    assert single["shim_cuda_tensor_device"] == torch.device("cpu")
+    assert single["shim_current_device"] == 0
+
+
+def test_logprobs_shape_sign_and_zero_convention(single: Results) -> None:
+    """[B, S] float32, finite; 0 at position 0 and past each length, negative on every scored token."""
+    logprobs = single["logprobs"]
+    assert logprobs.shape == INPUT_IDS.shape and logprobs.dtype == torch.float32
+    assert torch.isfinite(logprobs).all()
+    positions = torch.arange(INPUT_IDS.shape[1])[None, :]
+    scored = (positions >= 1) & (positions < LENGTHS[:, None])
+    assert (logprobs[~scored] == 0).all()
+    assert (logprobs[scored] < 0).all()
+
+
+def test_logprobs_normalised_over_the_next_token(single: Results) -> None:
+    """For a fixed prefix, the next-token probabilities over the whole vocabulary sum to 1."""
+    total = torch.logsumexp(single["continuation_logprobs"], dim=0)
+    assert abs(float(total)) < 1e-5
+
+
+def test_logprobs_causal_and_blind_to_padding(single: Results) -> None:
+    """Changing token t leaves positions < t bitwise unchanged and changes position t; padding never matters."""
+    before, mutated = single["logprobs"], single["mutated_logprobs"]
+    assert torch.equal(before[:, :6], mutated[:, :6])
+    long_rows = LENGTHS > 6
+    assert (before[long_rows, 6] != mutated[long_rows, 6]).all()
+    assert torch.equal(single["repadded_logprobs"], before)
+
+
+def test_logprobs_deterministic_for_a_seed(single: Results) -> None:
+    """Same seed and inputs give bitwise the same log-probs (same backend or a new one); another seed differs."""
+    assert torch.equal(single["logprobs_again"], single["logprobs"])
+    assert torch.equal(single["twin_logprobs"], single["logprobs"])
+    assert not torch.allclose(single["other_seed_logprobs"], single["logprobs"])
+
+
+def test_logprobs_runs_on_a_thread_other_than_the_builder(single: Results) -> None:
+    """The CPU remap is per thread; a call from another thread (as a Ray actor may make) still works, bitwise."""
+    assert single["logprobs_from_other_thread"] is not None
+    assert torch.equal(single["logprobs_from_other_thread"], single["logprobs"])
+
+
+def test_reference_logprobs_equal_initial_policy_and_stay_frozen(single: Results) -> None:
+    """The reference starts as the policy and training never moves it."""
+    assert torch.equal(single["reference_logprobs"], single["logprobs"])
+    assert torch.equal(single["reference_logprobs_after"], single["reference_logprobs"])
+    assert _states_equal(single["reference_state_after"], single["initial_state"])
+
+
+def test_train_step_lowers_loss_on_a_repeated_batch(single: Results) -> None:
+    """Repeating one batch, each step lowers the loss; grad norms are positive and finite; weights move."""
+    losses = _losses(single["steps"])
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert all(0 < step["grad_norm"] < math.inf for step in single["steps"])
+    assert not torch.allclose(single["trained_logprobs"], single["logprobs"])
+
+
+def test_train_step_reports_mean_loss_and_per_micro_batch_metrics(single: Results) -> None:
+    """loss is the mean of the micro-batch losses; each micro-batch reports its own metrics."""
+    first = single["steps"][0]
+    assert len(first["metrics"]) == len(MICRO_BATCHES)
+    assert first["loss"] == pytest.approx(sum(m["loss"] for m in first["metrics"]) / len(MICRO_BATCHES))
+    assert [m["tokens"] for m in first["metrics"]] == [float((mb["lengths"] - 1).sum()) for mb in MICRO_BATCHES]
+    expected = _loss_fn(single["logprobs"][:2], MICRO_BATCHES[0])[0]
+    assert first["metrics"][0]["loss"] == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_train_step_deterministic_for_a_seed(single: Results) -> None:
+    """Two backends with one seed and one batch report bitwise-equal losses and grad norms and end equal."""
+    assert single["twin_steps"] == single["steps"]
+    assert _states_equal(single["twin_trained_state"], single["trained_state"])
+
+
+def test_state_dict_round_trip_restores_logprobs(single: Results) -> None:
+    """Loading the initial state back gives bitwise the initial log-probs."""
+    assert torch.equal(single["reloaded_logprobs"], single["logprobs"])
+    shapes = {name: tuple(t.shape) for name, t in single["initial_state"].items()}
+    assert shapes["embedding.word_embeddings.weight"] == (CONFIG.vocab_size, CONFIG.hidden_size)
+    assert shapes[f"decoder.layers.{CONFIG.num_layers - 1}.mlp.linear_fc1.weight"] == (
+        CONFIG.ffn_hidden_size,
+        CONFIG.hidden_size,
+    )
+
+
+def test_logprobs_rejects_malformed_batches(single: Results) -> None:
+    """Float ids, tokens outside the vocabulary, and lengths out of range, of the wrong count or dtype are refused."""
+    errors = single["errors"]
+    with pytest.raises(TypeError, match=r"'input_ids' must be a LongTensor\[B, S\]: got torch.float32"):
+        _reraise(errors["float_ids"])
+    with pytest.raises(ValueError, match=r"'input_ids' must lie in \[0, 32\): got values in \[32, "):
+        _reraise(errors["token_out_of_vocab"])
+    with pytest.raises(ValueError, match=r"'lengths' must lie in \[1, 12\]: got \[13, 8, 4, 11\]"):
+        _reraise(errors["length_too_long"])
+    with pytest.raises(ValueError, match=r"'lengths' must have shape \(4,\) \(one per row\): got \(3,\)"):
+        _reraise(errors["lengths_wrong_count"])
+    with pytest.raises(TypeError, match=r"'lengths' must be an int tensor: got torch.float32"):
+        _reraise(errors["float_lengths"])
+
+
+def test_train_step_rejects_malformed_micro_batches_and_losses(single: Results) -> None:
+    """An empty list, a micro-batch without lengths, and a non-scalar loss are refused."""
+    errors = single["errors"]
+    with pytest.raises(TypeError, match=r"'micro_batches' must be a non-empty list of dicts: got list of length 0"):
+        _reraise(errors["empty_micro_batches"])
+    with pytest.raises(ValueError, match=r"'micro_batches\[0\]' must map 'input_ids' and 'lengths'.*: got \['input_ids'\]"):
+        _reraise(errors["micro_batch_without_lengths"])
+    with pytest.raises(TypeError, match=r"'loss_fn' loss must be a scalar tensor: got Tensor \(2,\)"):
+        _reraise(errors["loss_not_scalar"])
+
+
+def test_load_state_dict_rejects_missing_keys_and_wrong_shapes(single: Results) -> None:
+    """A state must have exactly the model's keys, each with its full shape."""
+    errors = single["errors"]
+    with pytest.raises(ValueError, match=r"'state' must have exactly the model's \d+ keys: missing \['output_layer.weight'"):
+        _reraise(errors["state_missing_key"])
+    with pytest.raises(ValueError, match=r"'state\['output_layer.weight'\]' must have shape \(32, 64\): got \(3, 3\)"):
+        _reraise(errors["state_wrong_shape"])
+
+
+# -- tensor, pipeline and data parallel ----------------------------------------------------------------
+
+
+def test_tensor_parallel_matches_single_rank(single: Results, tensor_parallel: list[Results]) -> None:
+    """TP=2 starts from the same weights, agrees across its ranks, and tracks the single rank through training."""
+    rank0, rank1 = tensor_parallel
+    for key in ("logprobs", "trained_logprobs", "loaded_logprobs"):
+        assert torch.equal(rank0[key], rank1[key]), key
+    assert _states_equal(rank0["initial_state"], single["initial_state"])
+    assert torch.allclose(rank0["logprobs"], single["logprobs"], rtol=0.0, atol=1e-5)
+    assert torch.allclose(rank0["reference_logprobs"], single["reference_logprobs"], rtol=0.0, atol=1e-5)
+    assert _losses(rank0["steps"]) == pytest.approx(_losses(single["steps"]), rel=1e-5)
+    assert _grad_norms(rank0["steps"]) == pytest.approx(_grad_norms(single["steps"]), rel=1e-4)
+    assert _states_close(rank0["trained_state"], single["trained_state"], atol=1e-4)
+    assert torch.allclose(rank0["loaded_logprobs"], single["trained_logprobs"], rtol=0.0, atol=1e-5)
+
+
+def test_pipeline_parallel_matches_single_rank_bitwise(single: Results, pipeline_parallel: list[Results]) -> None:
+    """PP=2 gives bitwise the single rank's log-probs, losses and trained weights on both stages."""
+    for rank in pipeline_parallel:
+        for key in ("logprobs", "reference_logprobs", "trained_logprobs"):
+            assert torch.equal(rank[key], single[key]), key
+        assert torch.equal(rank["loaded_logprobs"], single["trained_logprobs"])
+        assert _losses(rank["steps"]) == _losses(single["steps"])
+        assert [m["metrics"] for m in rank["steps"]] == [m["metrics"] for m in single["steps"]]
+        assert _grad_norms(rank["steps"]) == pytest.approx(_grad_norms(single["steps"]), rel=1e-6)
+        assert _states_equal(rank["trained_state"], single["trained_state"])
+
+
+def test_data_parallel_averages_gradients_and_keeps_replicas_identical(
+    single: Results, data_parallel: list[Results]
+) -> None:
+    """Two 2-stage replicas stepping on one micro-batch each end identical, at the single rank's state after both."""
+    assert all(rank["data_parallel"] == 2 for rank in data_parallel)
+    for rank in data_parallel[1:]:
+        assert _states_equal(rank["state"], data_parallel[0]["state"])
+        assert rank["result"]["grad_norm"] == data_parallel[0]["result"]["grad_norm"]
+    assert data_parallel[0]["result"]["grad_norm"] == pytest.approx(single["one_step"]["result"]["grad_norm"], rel=1e-5)
+    own = [rank["result"]["loss"] for rank in data_parallel[:2]]  # ranks 0 and 1: stage 0 of replicas 0 and 1
+    assert own == pytest.approx([m["loss"] for m in single["one_step"]["result"]["metrics"]], rel=1e-6)
+    assert _states_close(data_parallel[0]["state"], single["one_step"]["state"], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("world", "sizes"),
+    [
+        ("tensor_parallel", {"tensor_parallel": 2}),
+        ("pipeline_parallel", {"pipeline_parallel": 2}),
+        ("data_parallel", {"pipeline_parallel": 2, "data_parallel": 2}),
+    ],
+)
+def test_parallel_coords_follow_the_topology_rank_order(
+    world: str, sizes: dict[str, int], request: pytest.FixtureRequest
+) -> None:
+    """megatron's groups put each rank at NamedSharding's coordinates: rank = ((pp*DP + dp)*CP + cp)*TP + tp."""
+    ranks = request.getfixturevalue(world)
+    sharding = NamedSharding(sizes)
+    assert len(ranks) == sharding.world_size
+    assert [rank["coords"] for rank in ranks] == [dict(sharding.coords(r)) for r in range(sharding.world_size)]
