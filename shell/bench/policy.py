@@ -1,0 +1,170 @@
+"""``python -m shell.bench policy``: bytes through the driver and wall time, legacy ``Policy`` vs ``DataPlanePolicy``.
+
+Workload: ``rows`` (default 256) ragged rows (lengths uniform in 8..64) on a
+DP=2 group of megatron tiny-GPT workers on CPU (gloo), one GRPO train call of
+two optimizer steps. Both policies drive the same group.
+
+Bytes through the driver are the serialized (``cloudpickle``) sizes of what
+each call hands to the workers (one shard per DP rank, plus the common
+keyword arguments) and of what comes back, measured at the group's
+``run_sharded``. The rollout's one ``first_write`` into the store is not
+counted: it happens once per step in either design (legacy keeps the batch on
+the driver instead). Wall time is the median of ``repeats`` calls after one
+warm-up call.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cloudpickle
+import ray
+import torch
+from tensordict import TensorDict
+
+from adapters.transfer_queue import TransferQueueStore
+from core.topology import NamedSharding
+from shell.bench.report import Report
+from shell.column_io import first_write
+from shell.loss import GRPOLoss
+from shell.policy import DataPlanePolicy, Policy, PolicyConfig, build_group
+from shell.worker_group import WorkerGroup
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@attrs.frozen
+class PolicyBenchConfig:
+    """Sizes of the policy benchmark."""
+
+    rows: int = 256
+    repeats: int = 3
+    seed: int = 0
+
+
+class MeteredGroup:
+    """Forwards to a ``WorkerGroup``, recording the serialized bytes ``run_sharded`` sends and receives."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self._group = group
+        self.sent = 0
+        self.received = 0
+
+    def run_sharded(self, method: str, shards: Sequence[Any], *, common_kwargs: Mapping[str, Any] | None = None) -> list[Any]:
+        self.sent += sum(len(cloudpickle.dumps(s)) for s in shards)
+        self.sent += sum(len(cloudpickle.dumps(v)) for v in (common_kwargs or {}).values())
+        results = self._group.run_sharded(method, shards, common_kwargs=common_kwargs)
+        self.received += sum(len(cloudpickle.dumps(r)) for r in results)
+        return results
+
+    def take(self) -> tuple[int, int]:
+        """The bytes sent and received since the last call."""
+        out = (self.sent, self.received)
+        self.sent = self.received = 0
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+
+def workload(cfg: PolicyBenchConfig) -> TensorDict:
+    """The in-memory batch: ids, response mask, advantages, lengths."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    lengths = torch.randint(8, 65, (cfg.rows,), generator=g)
+    positions = torch.arange(64)[None, :]
+    return TensorDict(
+        {
+            "input_ids": torch.randint(0, 32, (cfg.rows, 64), generator=g),
+            "token_mask": (positions >= 4) & (positions < lengths[:, None]),
+            "advantages": torch.randn(cfg.rows, generator=g),
+            "lengths": lengths,
+        },
+        batch_size=[cfg.rows],
+    )
+
+
+def _measure(call: Callable[[], Any], metered: MeteredGroup, repeats: int) -> tuple[float, int, int]:
+    """Median seconds of ``repeats`` calls (after a warm-up), and the bytes of one call."""
+    call()
+    sent, received = metered.take()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    metered.take()
+    return statistics.median(times), sent, received
+
+
+def run(cfg: PolicyBenchConfig, report: Report) -> None:
+    """Measure both paths into ``report`` (starts and stops its own Ray and TransferQueue)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        num_cpus=max(8, os.cpu_count() or 1),
+        include_dashboard=False,
+        namespace=f"policy-bench-{uuid.uuid4().hex[:6]}",
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
+    report.start(total=5, description="policy benchmark")
+    store = TransferQueueStore.start()
+    try:
+        config = PolicyConfig(
+            sharding=NamedSharding({"data_parallel": 2}), seed=cfg.seed, train_global_batch_size=cfg.rows // 2
+        )
+        group = build_group(config)
+        report.advance()
+        try:
+            metered = MeteredGroup(group)
+            legacy = Policy(config, group=metered)  # type: ignore[arg-type]
+            plane = DataPlanePolicy(config, store, group=metered)  # type: ignore[arg-type]
+            loss = GRPOLoss(kl_coef=0.0)
+            data = workload(cfg)
+            meta = first_write(
+                store,
+                {name: data[name] for name in ("input_ids", "token_mask", "advantages")},
+                keys=[f"b{i}" for i in range(cfg.rows)],
+                partition_id="policy-bench",
+                lengths=data["lengths"].tolist(),
+                token_fields=["input_ids", "token_mask"],
+            )
+            rows: dict[str, dict[str, tuple[float, int, int]]] = {}
+            with plane.step(meta) as step:
+                rows["logprobs"] = {
+                    "legacy": _measure(lambda: legacy.get_logprobs(data), metered, cfg.repeats),
+                    "data plane": _measure(lambda: plane.get_logprobs(step), metered, cfg.repeats),
+                }
+                report.advance()
+                data.update(legacy.get_logprobs(data))
+                step = step.with_fields(["prev_logprobs"])
+                metered.take()
+                rows["train"] = {
+                    "legacy": _measure(lambda: legacy.train(data, loss), metered, cfg.repeats),
+                    "data plane": _measure(lambda: plane.train(step, loss), metered, cfg.repeats),
+                }
+                report.advance()
+        finally:
+            group.shutdown()
+    finally:
+        store.close()
+        ray.shutdown()
+    table = []
+    for call, paths in rows.items():
+        (lt, ls, lr), (dt, ds, dr) = paths["legacy"], paths["data plane"]
+        for name, (t, s, r) in paths.items():
+            table.append([call, name, f"{s:,}", f"{r:,}", f"{s + r:,}", f"{t * 1e3:.1f}"])
+        fewer = 1.0 - (ds + dr) / (ls + lr)
+        table.append([call, "data plane / legacy", f"{ds / ls:.3f}", f"{dr / lr:.3f}", f"{fewer:.1%} fewer", f"{dt / lt:.2f}x"])
+    report.table(
+        f"Driver bytes and wall time per call ({cfg.rows} ragged rows, DP=2, median of {cfg.repeats})",
+        ["call", "path", "bytes sent", "bytes returned", "bytes total", "wall ms"],
+        table,
+    )
+    report.advance()
+    report.finish()

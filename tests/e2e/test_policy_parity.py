@@ -1,0 +1,226 @@
+"""Policy parity on real worker groups (Ray + megatron on CPU, gloo): legacy ``Policy`` vs ``DataPlanePolicy``.
+
+One group per layout (DP=2, TP=2 x DP=1, PP=2 x DP=1) is shared by this
+module's tests; both policies drive the same group, and ``reset`` rebuilds
+every rank's backend (seed weights, fresh optimizer) before each path trains.
+Per layout and batching mode (none, packing, dynamic batching):
+
+* log-probs and reference log-probs are bitwise equal on both paths and come
+  back in caller key order (the data plane stores them by key);
+* one train call (two optimizer steps) gives the same losses, grad norms and
+  per-micro-batch metrics on both paths;
+* exactly one write per (key, field), counted by a recording client inside
+  every worker; the same micro-batch count and forward length on every DP rank;
+* a worker that raises mid-step leaves none of the step's keys in the store.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from adapters.megatron import TinyGPTConfig
+from adapters.transfer_queue import TransferQueueStore
+from core.meta import KVBatchMeta
+from core.sharding import DynamicBatchingSpec, PackingSpec
+from core.topology import NamedSharding
+from shell.column_io import first_write
+from shell.dataplane import DataPlaneClient
+from shell.loss import GRPOLoss
+from shell.policy import DataPlanePolicy, Policy, PolicyConfig, build_group
+from shell.policy_worker import PolicyWorker
+from shell.worker_group import WorkerError, WorkerGroup
+
+pytestmark = pytest.mark.e2e
+
+MODEL = TinyGPTConfig(vocab_size=32, hidden_size=32, num_layers=2, num_attention_heads=4, max_sequence_length=64)
+LAYOUTS: dict[str, dict[str, int]] = {
+    "dp2": {"data_parallel": 2},
+    "tp2": {"tensor_parallel": 2},
+    "pp2": {"pipeline_parallel": 2},
+}
+N_ROWS = 16
+GBS = 8
+TOKEN_FIELDS = ["input_ids", "token_mask"]
+LOSS = GRPOLoss(clip_low=0.2, clip_high=0.28, kl_coef=0.05)
+
+
+class RecordingClient:
+    """A store client that logs every put's ``(keys, fields)`` and forwards every call."""
+
+    def __init__(self, inner: DataPlaneClient) -> None:
+        self.inner = inner
+        self.puts: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+
+    def put(self, keys: Sequence[str], partition_id: str, fields: TensorDict, **kwargs: Any) -> KVBatchMeta:
+        self.puts.append((tuple(keys), tuple(fields.keys())))
+        return self.inner.put(keys, partition_id, fields, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def recording_transfer_queue() -> RecordingClient:
+    """The workers' client factory: TransferQueue, recorded."""
+    return RecordingClient(TransferQueueStore.attach())
+
+
+class RecordingPolicyWorker(PolicyWorker):
+    """A PolicyWorker that hands its client's write log back (and empties it)."""
+
+    def take_write_log(self) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+        log = list(self.client.puts)  # type: ignore[attr-defined]
+        self.client.puts.clear()  # type: ignore[attr-defined]
+        return log
+
+
+def _config(layout: str, mode: str) -> PolicyConfig:
+    sharding = NamedSharding(LAYOUTS[layout])
+    tp = sharding.axis_size("tensor_parallel")
+    return PolicyConfig(
+        sharding=sharding,
+        model=MODEL,
+        seed=3,
+        train_global_batch_size=GBS,
+        packing=PackingSpec(max_tokens_per_microbatch=48, sequence_length_pad_multiple=tp) if mode == "packing" else None,
+        dynamic_batching=DynamicBatchingSpec(max_tokens_per_microbatch=48) if mode == "dynamic" else None,
+        timeout_s=180.0,
+    )
+
+
+def _batch(seed: int) -> TensorDict:
+    """A ragged GRPO batch: ids (junk past each row's end), mask of response tokens, advantages, lengths."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 21, (N_ROWS,), generator=g)
+    width = int(lengths.max()) + 3
+    positions = torch.arange(width)[None, :]
+    prompt = torch.randint(1, 4, (N_ROWS, 1), generator=g)
+    return TensorDict(
+        {
+            "input_ids": torch.randint(0, MODEL.vocab_size, (N_ROWS, width), generator=g),
+            "token_mask": (positions >= prompt) & (positions < lengths[:, None]),
+            "advantages": torch.randn(N_ROWS, generator=g),
+            "lengths": lengths,
+        },
+        batch_size=[N_ROWS],
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def group(request: pytest.FixtureRequest, ray_cluster: None, tq_store_session: TransferQueueStore) -> Iterator[WorkerGroup]:
+    """A 2-rank policy group per layout, with recording TransferQueue clients, shared by this module."""
+    wg = build_group(_config(request.param, "none"), worker_cls=RecordingPolicyWorker, client_factory=recording_transfer_queue)
+    try:
+        yield wg
+    finally:
+        wg.shutdown()
+
+
+@pytest.fixture
+def client(tq_store_session: TransferQueueStore) -> Iterator[DataPlaneClient]:
+    """The driver's TransferQueue client."""
+    store = TransferQueueStore.attach()
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _layout(group: WorkerGroup) -> str:
+    return next(name for name, sizes in LAYOUTS.items() if NamedSharding(sizes) == group.sharding)
+
+
+def _write(client: DataPlaneClient, data: TensorDict) -> KVBatchMeta:
+    return first_write(
+        client,
+        {name: data[name] for name in ("input_ids", "token_mask", "advantages")},
+        keys=[f"row-{uuid.uuid4().hex[:8]}" for _ in range(N_ROWS)],
+        partition_id=f"policy-{uuid.uuid4().hex}",
+        lengths=data["lengths"].tolist(),
+        token_fields=TOKEN_FIELDS,
+    )
+
+
+def _write_counts(group: WorkerGroup) -> Counter[tuple[str, str]]:
+    counts: Counter[tuple[str, str]] = Counter()
+    for log in group.run_all("take_write_log"):
+        for keys, fields in log:
+            counts.update((k, f) for k in keys for f in fields)
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["none", "packing", "dynamic"])
+def test_policies_give_bitwise_equal_logprobs_and_train_steps(
+    group: WorkerGroup, client: DataPlaneClient, mode: str
+) -> None:
+    """Both paths give bitwise-equal (reference) log-probs in caller order, and equal losses, grad norms and metrics."""
+    config = _config(_layout(group), mode)
+    legacy = Policy(config, group=group)
+    plane = DataPlanePolicy(config, client, group=group, client_factory=recording_transfer_queue)
+    data = _batch(seed=len(mode))
+    group.run_all("reset")
+    meta = plane.prepare_step(_write(client, data))
+    try:
+        group.run_all("take_write_log")  # drop the set-up's log
+        meta = plane.get_logprobs(meta)
+        meta = plane.get_reference_logprobs(meta)
+        counts = _write_counts(group)
+        stored = plane.read(meta, ["prev_logprobs", "reference_policy_logprobs"])
+        expected = legacy.get_logprobs(data)
+        expected.update(legacy.get_reference_logprobs(data))
+        assert torch.equal(stored["prev_logprobs"], expected["prev_logprobs"])
+        assert torch.equal(stored["reference_policy_logprobs"], expected["reference_policy_logprobs"])
+        assert stored["prev_logprobs"].abs().sum() > 0
+        assert set(counts.values()) == {1}, "every (key, field) is written exactly once, by the replica leader"
+        assert set(counts) == {(k, f) for k in meta.keys for f in ("prev_logprobs", "reference_policy_logprobs")}
+
+        group.run_all("reset")
+        legacy_result = legacy.train(data.update(expected), LOSS)
+        group.run_all("reset")
+        plane_result = plane.train(meta, LOSS)
+    finally:
+        plane.finish_step(meta)
+    assert plane_result.loss == legacy_result.loss and len(plane_result.loss) == N_ROWS // GBS
+    assert plane_result.grad_norm == legacy_result.grad_norm
+    assert plane_result.micro_batch_metrics == legacy_result.micro_batch_metrics
+    assert plane_result.micro_batches == legacy_result.micro_batches
+    assert len(set(plane_result.micro_batches)) == 1, "every DP rank runs the same micro-batch count per step"
+    assert len(set(plane_result.forward_seq_lengths)) == 1, "every DP rank forwards at the same length"
+    assert not set(meta.keys) & set(client.list_keys(meta.partition_id))
+
+
+class MissingFieldLoss(GRPOLoss):
+    """A GRPO loss that asks for a field nobody wrote: every worker raises while fetching."""
+
+    @property
+    def input_fields(self) -> tuple[str, ...]:
+        return (*super().input_fields, "never_written")
+
+
+def test_data_plane_policy_clears_step_keys_when_a_worker_raises(group: WorkerGroup, client: DataPlaneClient) -> None:
+    """A worker failing mid-step raises WorkerError at the caller and leaves none of the step's keys stored."""
+    plane = DataPlanePolicy(_config(_layout(group), "none"), client, group=group, client_factory=recording_transfer_queue)
+    meta = plane.prepare_step(_write(client, _batch(seed=11)))
+    meta = plane.get_logprobs(meta)
+    with pytest.raises(WorkerError, match=r"never_written"):
+        plane.train(meta, MissingFieldLoss())
+    assert not set(meta.keys) & set(client.list_keys(meta.partition_id))
+    group.run_all("take_write_log")
+
+
+def test_data_plane_policy_rejects_an_unprepared_step(group: WorkerGroup, client: DataPlaneClient) -> None:
+    """A meta without the step's pad length is refused before any work (and its keys are kept)."""
+    plane = DataPlanePolicy(_config(_layout(group), "none"), client, group=group, client_factory=recording_transfer_queue)
+    meta = _write(client, _batch(seed=12))
+    try:
+        with pytest.raises(ValueError, match=r"call meta = policy.prepare_step\(meta\) first"):
+            plane.get_logprobs(meta)
+        assert set(meta.keys) <= set(client.list_keys(meta.partition_id))
+    finally:
+        plane.finish_step(meta)
