@@ -33,6 +33,8 @@ from typing import Literal, get_args
 
 import numpy as np
 
+from core.checks import check_int
+
 Lengths = tuple[int, ...]
 Bin = tuple[int, ...]
 Bins = tuple[Bin, ...]
@@ -70,7 +72,7 @@ def packing_lower_bound(lengths: Sequence[int], *, capacity: int) -> int:
         >>> packing_lower_bound([5000, 5000, 0], capacity=8192)
         2
     """
-    return _lower_bound(_check_lengths(lengths), _check_int("capacity", capacity, minimum=1))
+    return _lower_bound(_check_lengths(lengths), check_int("capacity", capacity, minimum=1))
 
 
 def _lower_bound(values: Lengths, cap: int) -> int:
@@ -144,9 +146,9 @@ def pack_sequences(
         ((0,), (1,), (2,), (3,))
     """
     values = _check_lengths(lengths)
-    cap = _check_int("capacity", capacity, minimum=1)
-    multiple = _check_int("bin_count_multiple", bin_count_multiple, minimum=1)
-    minimum = _check_int("min_bin_count", min_bin_count, minimum=0)
+    cap = check_int("capacity", capacity, minimum=1)
+    multiple = check_int("bin_count_multiple", bin_count_multiple, minimum=1)
+    minimum = check_int("min_bin_count", min_bin_count, minimum=0)
     if not isinstance(algorithm, str):
         raise TypeError(f"'algorithm' must be a str, one of {PACKING_ALGORITHMS}: got {type(algorithm).__name__}")
     if algorithm not in PACKING_ALGORITHMS:
@@ -187,18 +189,6 @@ def pack_sequences(
 
 
 # ---------------------------------------------------------------- validation
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"'{name}' must be an int: got bool")
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"'{name}' must be an int: got {type(value).__name__}") from None
-    if number < minimum:
-        raise ValueError(f"'{name}' must be >= {minimum}: got {number}")
-    return number
 
 
 def _check_lengths(lengths: Sequence[int]) -> Lengths:

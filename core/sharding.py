@@ -31,6 +31,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from core.checks import check_int
 from core.meta import KVBatchMeta
 from core.packing import PACKING_ALGORITHMS, pack_sequences
 from core.permutation import inverse_permutation
@@ -50,18 +51,6 @@ _LEVEL_TOLERANCE = 1e-3  # levelling stops once the sync cost is within this of 
 
 
 # ---------------------------------------------------------------- validation
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"'{name}' must be an int: got bool")
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"'{name}' must be an int: got {type(value).__name__}") from None
-    if number < minimum:
-        raise ValueError(f"'{name}' must be >= {minimum}: got {number}")
-    return number
 
 
 def _as_weights(weights: Weights) -> np.ndarray:
@@ -139,7 +128,7 @@ def balanced_partition(weights: Weights, parts: int, *, equal_size: bool = True)
         ((0,), (1, 2, 3))
     """
     w = _as_weights(weights)
-    k = _check_int("parts", parts, minimum=1)
+    k = check_int("parts", parts, minimum=1)
     n = len(w)
     if equal_size and n % k:
         raise ValueError(
@@ -400,7 +389,7 @@ def global_pad_length(lengths: Sequence[int], *, multiple: int = 1) -> int:
         >>> global_pad_length([100, 250, 7], multiple=64)
         256
     """
-    step = _check_int("multiple", multiple, minimum=1)
+    step = check_int("multiple", multiple, minimum=1)
     if isinstance(lengths, np.ndarray):
         lengths = lengths.ravel().tolist()
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
@@ -427,7 +416,7 @@ FieldValidator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 def _positive_int(name: str) -> FieldValidator:
     def check(_instance: Any, _attribute: attrs.Attribute[Any], value: Any) -> None:
-        _check_int(name, value, minimum=1)
+        check_int(name, value, minimum=1)
 
     return check
 
@@ -559,12 +548,12 @@ def shard_meta_for_dp(
     """
     if not isinstance(meta, KVBatchMeta):
         raise TypeError(f"'meta' must be a KVBatchMeta: got {type(meta).__name__}")
-    dp = _check_int("dp_world", dp_world, minimum=1)
+    dp = check_int("dp_world", dp_world, minimum=1)
     n = len(meta)
     if batch_size is None:
         gbs = n
     else:
-        gbs = _check_int("batch_size", batch_size, minimum=1)
+        gbs = check_int("batch_size", batch_size, minimum=1)
         if n % gbs or gbs % dp:
             raise ValueError(
                 f"'batch_size' must divide len(meta) and be a multiple of 'dp_world': got "
