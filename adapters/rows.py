@@ -298,23 +298,25 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _tensor_spec(field: str, value: torch.Tensor, n: int) -> ColumnSpec:
-    if is_jagged(value):
-        ragged = [i for i, size in enumerate(value.shape) if isinstance(size, torch.SymInt)]
+    # Each attribute of a jagged tensor costs a __torch_function__ call: read each once.
+    shape, layout = value.shape, value.layout
+    if layout == torch.jagged:
+        ragged = [i for i, size in enumerate(shape) if isinstance(size, torch.SymInt)]
         if ragged != [1]:
             raise ValueError(f"{field} must be a jagged tensor ragged along dim 1: got ragged dims {ragged}")
-        _check_rows(field, value.shape[0], n)
-        return ColumnSpec("jagged", _dtype_name(value.dtype), tuple(value.shape[2:]))
+        _check_rows(field, shape[0], n)
+        return ColumnSpec("jagged", _dtype_name(value.dtype), tuple(shape[2:]))
     if value.is_nested:
         raise TypeError(
             f"{field} must be dense or a torch.jagged nested tensor: got a nested tensor with layout "
-            f"{value.layout}; rebuild it with torch.nested.nested_tensor(rows, layout=torch.jagged)"
+            f"{layout}; rebuild it with torch.nested.nested_tensor(rows, layout=torch.jagged)"
         )
-    if value.layout != torch.strided:
-        raise TypeError(f"{field} must be a strided (dense) tensor: got layout {value.layout}; call .to_dense()")
-    if value.dim() == 0:
+    if layout != torch.strided:
+        raise TypeError(f"{field} must be a strided (dense) tensor: got layout {layout}; call .to_dense()")
+    if len(shape) == 0:
         raise ValueError(f"{field} must have a batch dim of {n} rows: got a 0-d tensor")
-    _check_rows(field, value.shape[0], n)
-    return ColumnSpec("dense", _dtype_name(value.dtype), tuple(value.shape[1:]))
+    _check_rows(field, shape[0], n)
+    return ColumnSpec("dense", _dtype_name(value.dtype), tuple(shape[1:]))
 
 
 def _copy_tensor(t: torch.Tensor) -> torch.Tensor:

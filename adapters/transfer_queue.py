@@ -368,10 +368,15 @@ def tag_updates(plan: PutPlan, current: Sequence[Mapping[str, Any]]) -> list[dic
     """
     user = plan.receipt.tags
     lengths = plan.receipt.sequence_lengths
+    merged: dict[SpecTag | None, SpecTag] = {}  # keys mostly share one old tag: merge once per distinct tag
     out = []
     for i, old in enumerate(current):
+        prev = _spec_tag_of(old)
+        tag = merged.get(prev)
+        if tag is None:
+            tag = merged[prev] = merge_spec_tags(prev, plan.tag)
         update = thaw(user[i]) if user is not None else {}
-        update[SPEC_TAG] = merge_spec_tags(_spec_tag_of(old), plan.tag)
+        update[SPEC_TAG] = tag
         if lengths is not None:
             update[LENGTH_TAG] = lengths[i]
         out.append(update)
@@ -400,7 +405,7 @@ def plan_get(
         ValueError: a field is stored with different layouts across the keys.
     """
     held = [stored_specs(t) for t in tags]
-    distinct = list({id(h): h for h in held}.values())
+    distinct = list({id(h): h for h in held}.values())  # equal tags parse to the same (cached) mapping
     for name in names:
         if any(name not in h for h in distinct):
             raise missing_field_error(name, partition_id, [key for key, h in zip(keys, held) if name not in h])

@@ -6,7 +6,7 @@ three per-token fields, jagged on the wire: ``input_ids`` int64,
 
 Each transport puts the payload under fresh keys and gets it back, ``repeats``
 times, interleaved round-robin so drift on the machine hits every transport
-alike; MB/s is payload bytes over the median wall time. Transports:
+alike (the order rotates every round); MB/s is payload bytes over the median wall time. Transports:
 
 * ``TransferQueueStore`` (this project's adapter), bare and wrapped in
   ``MeteredClient`` (integrity off and on);
@@ -126,7 +126,10 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
         }
         times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in [*transports, "ray.put/ray.get"]}
         for rep in range(cfg.repeats + 1):  # the first round warms up and is not counted
-            for name, (put, get, clear) in transports.items():
+            names = list(transports)
+            shift = rep % len(names)  # rotate the order each round so no transport always runs first
+            for name in names[shift:] + names[:shift]:
+                put, get, clear = transports[name]
                 keys = [f"r{rep}_{i}" for i in range(cfg.rows)]
                 pid = f"bench-{abs(hash(name)) % 10_000}"
                 start = time.perf_counter()
