@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from adapters.rows import (
+    column_spec,
     ColumnSpec,
     build_tensordict,
     columns_equal,
@@ -308,3 +309,16 @@ def test_read_columns_of_rejects_non_tensordict() -> None:
     """Only TensorDicts can be read."""
     with pytest.raises(TypeError, match=r"'td' must be a TensorDict: got dict"):
         read_columns_of({"x": torch.zeros(2)})  # type: ignore[arg-type]
+
+
+@given(rows_and_column)
+def test_column_spec_equals_split_column_spec(case: tuple[int, Any]) -> None:
+    """column_spec gives the spec split_column would, without splitting into rows."""
+    n, column = case
+    assert column_spec("f", column, n) == split_column("f", column, n)[0]
+
+
+def test_column_spec_rejects_wrong_row_count() -> None:
+    """A column whose first dimension is not the batch size raises, naming the field."""
+    with pytest.raises(ValueError, match="'f'"):
+        column_spec("f", torch.zeros(3, 2), 4)
