@@ -337,9 +337,23 @@ def test_collect_raises_timeout_naming_slow_ranks(group: WorkerGroup) -> None:
     assert group.collect(refs, method="nap") == [0, 1, 2, 3]  # the naps still finish, and the group is still usable
 
 
+def _wait_until_dead(actor: Any, *, limit_s: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=2.0)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"actor still alive {limit_s} s after ray.kill")
+
+
 def test_run_all_reports_killed_actor_within_bound(small_group: WorkerGroup) -> None:
     """A killed actor's rank is named by a WorkerError within a bounded time, and shutdown still completes."""
     ray.kill(small_group.actors[1], no_restart=True)
+    _wait_until_dead(small_group.actors[1])  # ray.kill is asynchronous: a call racing it may still succeed
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"rank 1 \(.*data_parallel=1.*\) died during 'whoami': its actor is dead \[1 of 2 ranks failed") as info:
         small_group.run_all("whoami")
