@@ -11,7 +11,7 @@ parallel work to it is split in three (split, execute, merge):
   one per data-parallel index in dp order, dropping the replicas' copies.
 
 ``replica_groups`` is the split step of building process groups: every rank
-must create every replica group, in this order, for ``torch.distributed`` to
+must create every replica group, in this order, for the collective library to
 agree on them.
 
 Laws (see ``tests/property/test_dispatch.py``):
