@@ -40,7 +40,6 @@ columns whole, and splits and stacks only object columns.
 from __future__ import annotations
 
 import copy
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
@@ -49,6 +48,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
+from core.checks import check_int_entries
 from core.codec import is_jagged
 
 Kind = Literal["dense", "jagged", "object_array", "non_tensor_stack"]
@@ -73,18 +73,7 @@ _DTYPES: dict[str, torch.dtype] = {
 def _to_shape(value: Any) -> Shape:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"'shape' must be a sequence of ints: got {type(value).__name__}")
-    out = []
-    for i, size in enumerate(value):
-        if isinstance(size, bool):
-            raise TypeError(f"'shape' entries must be int: got bool at index {i}")
-        try:
-            size = operator.index(size)
-        except TypeError:
-            raise TypeError(f"'shape' entries must be int: got {type(size).__name__} at index {i}") from None
-        if size < 0:
-            raise ValueError(f"'shape' entries must be >= 0: got {size} at index {i}")
-        out.append(size)
-    return tuple(out)
+    return check_int_entries("shape", value, minimum=0)
 
 
 def _check_kind(instance: Any, attribute: Any, value: Any) -> None:

@@ -33,7 +33,7 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from core.checks import check_int
+from core.checks import check_int, check_int_entries
 
 Lengths = tuple[int, ...]
 Bin = tuple[int, ...]
@@ -203,18 +203,7 @@ def _check_lengths(lengths: Sequence[int]) -> Lengths:
             raise TypeError(f"'lengths' must be a sequence of ints: got {type(lengths).__name__}") from None
     if all(type(entry) is int for entry in items) and (not items or min(items) >= 0):
         return tuple(items)  # fast path: plain non-negative ints
-    out: list[int] = []
-    for index, entry in enumerate(items):
-        if isinstance(entry, bool):
-            raise TypeError(f"'lengths' entries must be int: got bool at index {index}")
-        try:
-            length = operator.index(entry)
-        except TypeError:
-            raise TypeError(f"'lengths' entries must be int: got {type(entry).__name__} at index {index}") from None
-        if length < 0:
-            raise ValueError(f"'lengths' entries must be >= 0: got {length} at index {index}")
-        out.append(length)
-    return tuple(out)
+    return check_int_entries("lengths", items, minimum=0)
 
 
 def _round_up(count: int, multiple: int) -> int:
