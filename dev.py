@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import venv
@@ -19,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 STAMP = VENV / ".installed-pyproject-sha256"
-MAIN_JOB = ["-m", "shell.bench", "balance"]
+MAIN_JOB = ["-m", "shell.run"]
 
 
 def _venv_python() -> Path:
@@ -61,7 +62,14 @@ def main(argv: list[str]) -> int:
         args = [str(python), *MAIN_JOB, *extra]
     else:
         args = [str(python), "-m", "pytest", *extra]
-    return subprocess.run(args, cwd=ROOT).returncode
+    child = subprocess.Popen(args, cwd=ROOT)
+    # Ctrl-C reaches the child too (same process group) and it shuts down cleanly; this process
+    # must neither die first nor kill it (subprocess.run kills its child on KeyboardInterrupt).
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return child.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

@@ -557,6 +557,99 @@ class MegatronGPTBackend:
         """Per-token log-probs of the frozen reference model, as :meth:`logprobs`."""
         return self._logprobs(self._reference, input_ids, lengths)
 
+    # -- generation ----------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_lengths: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        eos_id: int,
+        generator: torch.Generator,
+        temperature: float = 1.0,
+        vocab_limit: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample continuations of right-padded prompts from the policy (no KV cache: one full forward per token).
+
+        Row ``b`` continues ``prompt_ids[b, :prompt_lengths[b]]`` with up to
+        ``max_new_tokens`` tokens drawn from ``softmax(logits / temperature)``
+        with ``generator``, and stops after ``eos_id``. Causal attention makes
+        the padding to the right of a row invisible to it, so rows of different
+        lengths share each forward. The same weights, prompts and generator
+        state give the same tokens.
+
+        Args:
+            prompt_ids: LongTensor[B, P], right-padded prompts.
+            prompt_lengths: int tensor [B], each in ``[1, P]``.
+            max_new_tokens: at most this many tokens per row (>= 1); ``P +
+                max_new_tokens`` must not exceed ``max_sequence_length``.
+            eos_id: the end-of-sequence token.
+            generator: a CPU ``torch.Generator``; its state advances.
+            temperature: > 0.
+            vocab_limit: sample only ids below it (a tokenizer smaller than
+                the model's padded vocabulary); None: the whole vocabulary.
+
+        Returns:
+            ``(sequences, lengths)``: LongTensor[B, L] (prompt then response,
+            0 past each row's length) and LongTensor[B] (prompt plus response
+            tokens, the EOS included).
+
+        Raises:
+            ValueError: the backend is tensor- or pipeline-parallel (a rollout
+                engine is one rank), a size or the temperature is out of range.
+            TypeError: as :meth:`logprobs` for the prompts.
+        """
+        if self.tensor_parallel != 1 or self.pipeline_parallel != 1:
+            raise ValueError(
+                "'generate' needs tensor_parallel = pipeline_parallel = 1 (the rollout engine is one rank): "
+                f"got ({self.tensor_parallel}, {self.pipeline_parallel})"
+            )
+        max_new_tokens = _int_arg("max_new_tokens", max_new_tokens)
+        if max_new_tokens < 1:
+            raise ValueError(f"'max_new_tokens' must be >= 1: got {max_new_tokens}")
+        if not (isinstance(temperature, (int, float)) and temperature > 0):
+            raise ValueError(f"'temperature' must be a number > 0: got {temperature!r}")
+        if vocab_limit is not None and not 1 <= _int_arg("vocab_limit", vocab_limit) <= self.config.vocab_size:
+            raise ValueError(f"'vocab_limit' must be in [1, {self.config.vocab_size}]: got {vocab_limit}")
+        prompt_ids, prompt_lengths = self._check_batch(prompt_ids, prompt_lengths, "prompt ")
+        width = prompt_ids.shape[1] + max_new_tokens
+        if width > self.config.max_sequence_length:
+            raise ValueError(
+                f"'max_new_tokens' ({max_new_tokens}) plus the prompt width ({prompt_ids.shape[1]}) must be at most "
+                f"max_sequence_length = {self.config.max_sequence_length}: got {width}"
+            )
+        rows = prompt_ids.shape[0]
+        sequences = torch.zeros(rows, width, dtype=torch.long)
+        sequences[:, : prompt_ids.shape[1]] = prompt_ids
+        lengths = prompt_lengths.clone()
+        done = torch.zeros(rows, dtype=torch.bool)
+        index = torch.arange(rows)
+        model = self._policy.module
+        was_training = model.training
+        model.eval()
+        try:
+            with self._device_scope(), torch.no_grad():
+                for _ in range(max_new_tokens):
+                    span = int(lengths.max())
+                    tokens = sequences[:, :span].to(self.device)
+                    positions = torch.arange(span, device=self.device).expand_as(tokens)
+                    logits = model(tokens, positions, None)  # [B, span, V]
+                    last = logits[index, lengths - 1].float().cpu() / temperature
+                    if vocab_limit is not None:
+                        last[:, vocab_limit:] = -math.inf
+                    probs = torch.softmax(last, dim=-1)
+                    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+                    live = ~done
+                    sequences[index[live], lengths[live]] = drawn[live]
+                    lengths = lengths + live.long()
+                    done = done | (live & (drawn == eos_id))
+                    if bool(done.all()):
+                        break
+        finally:
+            model.train(was_training)
+        return sequences[:, : int(lengths.max())], lengths
+
     # -- training ------------------------------------------------------------------------------------
 
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> TrainStepResult:

@@ -434,12 +434,27 @@ def check_fetchable(wires: Sequence[WireName], available: Sequence[str], ready: 
 def select_wires(meta: tq.BatchMeta, specs: Mapping[str, ColumnSpec], partition_id: str) -> tq.BatchMeta:
     """The meta that fetches the wire fields of ``specs``, checked fetchable (see :func:`check_fetchable`).
 
-    Clears ``meta``'s tags first (read them before): TQ deep-copies every
-    key's tags when it selects fields, and fetching needs none of them.
+    Builds what ``meta.select_fields(wires)`` builds (the selected fields'
+    schemas, each key's backend meta narrowed to them, production status)
+    without its deep copies and without the keys' tags, which fetching does
+    not need: ``select_fields`` deep-copies every key's tags and every
+    selected field's per-key shapes, about 1.2 ms of a 50 ms get of 256 rows.
+    The schemas are shared with ``meta``, which the caller drops after the fetch.
     """
     wires = [wire_name(name, spec) for name, spec in specs.items()]
-    meta.clear_custom_meta()
-    selected = meta.select_fields(wires)
+    wanted = set(wires)
+    schema = meta.field_schema
+    selected = tq.BatchMeta(
+        global_indexes=meta.global_indexes,
+        partition_ids=meta.partition_ids,
+        field_schema={wire: schema[wire] for wire in wires if wire in schema},
+        production_status=meta.production_status,
+        extra_info=meta.extra_info,
+        _custom_backend_meta=[
+            {f: v for f, v in backend.items() if f.startswith("_") or f in wanted}
+            for backend in meta._custom_backend_meta
+        ],
+    )
     check_fetchable(wires, selected.field_names, selected.is_ready, partition_id)
     return selected
 

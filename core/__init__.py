@@ -1,5 +1,6 @@
 """Pure, deterministic core of the data plane (no I/O). Public names are re-exported here."""
 
+from core.addition import AdditionTask
 from core.codec import Layout, is_jagged, jagged_lengths, materialize, pack_fields, to_jagged, to_padded
 from core.dispatch import dp_results, replica_groups, shard_for_ranks
 from core.frozen import FrozenDict, freeze, thaw
@@ -11,7 +12,7 @@ from core.grpo import (
     kl_k3,
     masked_mean,
 )
-from core.integrity import mismatched_rows, object_row_digests, tensor_row_digests
+from core.integrity import digest_matrix, mismatched_rows, object_row_digests, tensor_row_digests
 from core.meta import KVBatchMeta
 from core.packing import PACKING_ALGORITHMS, PackingAlgorithm, pack_sequences, packing_lower_bound
 from core.permutation import inverse_permutation
@@ -23,10 +24,27 @@ from core.sharding import (
     shard_meta_for_dp,
     shard_row_indices,
 )
+from core.task import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    CharTokenizer,
+    Prompt,
+    Task,
+    task_seed,
+    validate_responses,
+)
 from core.topology import AXES, NamedSharding
 
 __all__ = [
     "AXES",
+    "BOS_ID",
+    "EOS_ID",
+    "PAD_ID",
+    "AdditionTask",
+    "CharTokenizer",
+    "Prompt",
+    "Task",
     "PACKING_ALGORITHMS",
     "DynamicBatchingSpec",
     "FrozenDict",
@@ -49,6 +67,7 @@ __all__ = [
     "kl_k3",
     "masked_mean",
     "materialize",
+    "digest_matrix",
     "mismatched_rows",
     "object_row_digests",
     "pack_fields",
@@ -58,8 +77,10 @@ __all__ = [
     "shard_for_ranks",
     "shard_meta_for_dp",
     "shard_row_indices",
+    "task_seed",
     "tensor_row_digests",
     "thaw",
     "to_jagged",
     "to_padded",
+    "validate_responses",
 ]

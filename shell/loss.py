@@ -24,6 +24,7 @@ PREV_LOGPROBS = "prev_logprobs"  # FloatTensor[B, S]: log-probs of the policy th
 REFERENCE_LOGPROBS = "reference_policy_logprobs"  # FloatTensor[B, S]: log-probs of the frozen reference
 ADVANTAGES = "advantages"  # FloatTensor[B] or [B, S]
 TOKEN_MASK = "token_mask"  # BoolTensor[B, S]: the tokens that count in the loss
+SAMPLE_MASK = "sample_mask"  # FloatTensor[B]: 1 for rows that count in the loss, 0 for filtered rows
 
 
 def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -42,6 +43,8 @@ class GRPOLoss:
         clip_high: the ratio is clipped above at ``1 + clip_high``.
         kl_coef: weight of the k3 KL to the reference policy; 0 leaves the
             reference log-probs unread.
+        sample_mask: also read ``sample_mask`` (FloatTensor[B]) and count only
+            the tokens of rows whose mask is non-zero (e.g. the overlong filter).
 
     Raises:
         TypeError: a coefficient is not a number.
@@ -56,11 +59,14 @@ class GRPOLoss:
     clip_low: float = attrs.field(default=0.2, validator=_non_negative)
     clip_high: float = attrs.field(default=0.2, validator=_non_negative)
     kl_coef: float = attrs.field(default=0.0, validator=_non_negative)
+    sample_mask: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     @property
     def input_fields(self) -> tuple[str, ...]:
         """The micro-batch fields this loss reads."""
         fields = (PREV_LOGPROBS, ADVANTAGES, TOKEN_MASK)
+        if self.sample_mask:
+            fields += (SAMPLE_MASK,)
         return fields + (REFERENCE_LOGPROBS,) if self.kl_coef > 0 else fields
 
     def __call__(self, logprobs: torch.Tensor, micro_batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -73,6 +79,9 @@ class GRPOLoss:
         if missing:
             raise KeyError(f"'micro_batch' must hold {list(self.input_fields)}: missing {missing}")
         mask = micro_batch[TOKEN_MASK]
+        if self.sample_mask:
+            rows = micro_batch[SAMPLE_MASK]
+            mask = mask.to(rows.dtype) * rows.reshape(-1, *([1] * (mask.dim() - 1)))
         loss, metrics = clipped_policy_loss(
             logprobs,
             micro_batch[PREV_LOGPROBS],

@@ -6,16 +6,26 @@ bytes and keys still outstanding per partition (put and not yet cleared).
 ``snapshot()`` is cumulative; ``step_delta()`` gives the activity since the
 previous ``step_delta()`` call, for per-step logging.
 
-With ``verify_integrity=True`` every put also writes, for each field ``f``, a
-column ``__digest__.f`` of per-row 64-bit content digests
-(``core.integrity``); every get reads the digests back with the data and
-raises :class:`IntegrityError`, naming the keys and fields, when a row's
-content no longer matches. The digests cover dtype, shape and every byte, so a
-changed element, a truncated row, swapped rows, a permutation inside a row or
-a constant row are all caught, and equal data never raises.
+With ``verify_integrity=True`` every put also computes, for each field ``f``
+it writes, one 64-bit content digest per row (``core.integrity``, vectorised
+over the column) and stores it in the key's reserved tag ``__digest__.f``
+(tags merge per key, new values win, so a later put of ``f`` under a key
+replaces exactly that key's digest of ``f``, whichever process makes it).
+Every get reads the key's tags back with ``describe`` and raises
+:class:`IntegrityError`, naming the keys and fields, when a row's content no
+longer matches. The digests cover dtype, shape and every bit, so a changed
+element, a truncated row, swapped rows, a permutation inside a row or a
+constant row are all caught, and equal data never raises. A get needs no
+state of the client that wrote: any process's ``MeteredClient`` verifies
+what any other wrote.
+
+Digests live in tags rather than in extra columns because a store like
+TransferQueue pays per row and per field: one more column costs a get about
+a quarter of its time, a tag read (``describe``) about a tenth.
 
 Invariant: the wrapper never changes what the inner client stores or returns
-for user fields; digest columns are added on put and removed on get.
+for user fields and user tags; the reserved digest tags are added on put and
+hidden from receipts and ``describe``.
 """
 
 from __future__ import annotations
@@ -32,11 +42,12 @@ from tensordict import TensorDict
 
 from adapters.rows import read_columns_of
 from core.frozen import FrozenDict
-from core.integrity import mismatched_rows, object_row_digests, tensor_row_digests
+from core.integrity import DigestMatrix, digest_matrix
 from core.meta import KVBatchMeta
 from shell.dataplane import DataPlaneClient, Keys, SeqLens, Tags, validate_get
 
 DIGEST_PREFIX = "__digest__."
+"""Reserved prefix: the tag ``__digest__.f`` of a key holds the digest of its row of field ``f``."""
 OPS = ("put", "get", "clear")
 
 
@@ -218,14 +229,19 @@ class MeteredClient:
         reserved = [name for name in columns if name.startswith(DIGEST_PREFIX)]
         if reserved:
             raise ValueError(f"field names starting with {DIGEST_PREFIX!r} are reserved for integrity digests: got {reserved}")
-        wire = fields
-        if self.verify_integrity and columns:
-            wire = fields.clone(recurse=False)
-            for name, value in columns.items():
-                wire.set(DIGEST_PREFIX + name, torch.tensor(_digests(value), dtype=torch.int64))
-        receipt = self.inner.put(keys, partition_id, wire, tags=tags, sequence_lengths=sequence_lengths)
-        if self.verify_integrity:
-            receipt = attrs.evolve(receipt, fields=[f for f in receipt.fields if not f.startswith(DIGEST_PREFIX)])
+        if tags is not None:
+            _check_user_tags(tags, n)
+        wire_tags = tags
+        if self.verify_integrity and columns and n and _rows_of(fields) == n:
+            names = [DIGEST_PREFIX + name for name in columns]
+            digests = digest_matrix([_digestible(name, v) for name, v in columns.items()]).tolist()
+            if tags is None:
+                wire_tags = [dict(zip(names, row)) for row in digests]
+            else:
+                wire_tags = [{**user, **dict(zip(names, row))} for user, row in zip(tags, digests)]
+        receipt = self.inner.put(keys, partition_id, fields, tags=wire_tags, sequence_lengths=sequence_lengths)
+        if wire_tags is not tags:
+            receipt = attrs.evolve(receipt, tags=None if tags is None else _strip_digest_tags(receipt.tags))
         # Per-key accounting is deferred to the next snapshot (see _settle), keeping a put O(fields);
         # only row sizes are kept, never the payload.
         self._pending.append(("put", partition_id, tuple(keys), [(name, _row_sizes(v, n)) for name, v in columns.items()]))
@@ -240,20 +256,14 @@ class MeteredClient:
             columns = read_columns_of(out)
         else:
             keys, select = validate_get(keys, partition_id, select_fields)
-            out = self.inner.get(keys, partition_id, [*select, *(DIGEST_PREFIX + f for f in select)])
+            out = self.inner.get(keys, partition_id, select)
             columns = read_columns_of(out)
-            bad_rows: set[int] = set()
-            bad_fields = []
-            for name in select:
-                stored = out.get(DIGEST_PREFIX + name).tolist()
-                rows = mismatched_rows(stored, _digests(columns[name]))
-                if rows:
-                    bad_rows.update(rows)
-                    bad_fields.append(name)
-            if bad_fields:
-                raise IntegrityError(partition_id, [keys[i] for i in sorted(bad_rows) if i < len(keys)], bad_fields)
-            out = out.exclude(*(DIGEST_PREFIX + f for f in select))
-            columns = {name: columns[name] for name in select}
+            stored = _stored_digests(self.inner.describe(keys, partition_id), select)
+            actual = digest_matrix([_digestible(name, columns[name]) for name in select])
+            bad = stored != actual
+            if bad.any():
+                rows, cols = np.flatnonzero(bad.any(axis=1)), np.flatnonzero(bad.any(axis=0))
+                raise IntegrityError(partition_id, [keys[i] for i in rows], [select[j] for j in cols])
         self._record("get", partition_id, len(keys), sum(column_bytes(v) for v in columns.values()), start)
         return out
 
@@ -269,9 +279,11 @@ class MeteredClient:
         return self.inner.list_keys(partition_id)
 
     def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta:
-        """Pass-through without the digest fields."""
+        """Pass-through without the reserved digest tags."""
         meta = self.inner.describe(keys, partition_id)
-        return attrs.evolve(meta, fields=[f for f in meta.fields if not f.startswith(DIGEST_PREFIX)])
+        if meta.tags is None:
+            return meta
+        return attrs.evolve(meta, tags=_strip_digest_tags(meta.tags))
 
     def close(self) -> None:
         """Close the inner client."""
@@ -352,11 +364,54 @@ class MeteredClient:
             self.on_event(DataPlaneEvent(op, partition_id, keys, nbytes, wall_ms))
 
 
-def _digests(value: Any) -> tuple[int, ...]:
+def _rows_of(fields: TensorDict) -> int | None:
+    return fields.batch_size[0] if len(fields.batch_size) else None
+
+
+def _check_user_tags(tags: Tags, n: int) -> None:
+    """User tags must be one mapping per key and must not use the reserved digest prefix."""
+    if len(tags) != n:
+        raise ValueError(f"'tags' must have {n} entries (one per key): got {len(tags)}")
+    for i, tag in enumerate(tags):
+        if not isinstance(tag, Mapping):
+            raise TypeError(f"'tags' entries must be mappings: got {type(tag).__name__} at index {i}")
+        reserved = [name for name in tag if isinstance(name, str) and name.startswith(DIGEST_PREFIX)]
+        if reserved:
+            raise ValueError(
+                f"tag names starting with {DIGEST_PREFIX!r} are reserved for integrity digests: got {reserved} at index {i}"
+            )
+
+
+def _strip_digest_tags(tags: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in tag.items() if not k.startswith(DIGEST_PREFIX)} for tag in tags]
+
+
+def _stored_digests(meta: KVBatchMeta, select: Sequence[str]) -> DigestMatrix:
+    """The ``(N, F)`` digests the keys' tags record for ``select``.
+
+    Raises:
+        KeyError: some keys have no digest of a field (it was written without integrity).
+    """
+    names = [DIGEST_PREFIX + name for name in select]
+    tags = meta.tags if meta.tags is not None else [{}] * len(meta.keys)
+    rows = [[tag.get(name) for name in names] for tag in tags]
+    for j, name in enumerate(select):
+        lacking = [key for key, row in zip(meta.keys, rows) if row[j] is None]
+        if lacking:
+            shown = lacking[:5] + (["..."] if len(lacking) > 5 else [])
+            raise KeyError(
+                f"field {name!r} has no integrity digest in partition {meta.partition_id!r} for {len(lacking)} keys "
+                f"{shown}: it was written without verify_integrity=True"
+            )
+    return np.array(rows, dtype=np.int64).reshape(len(tags), len(names))
+
+
+def _digestible(name: str, value: Any) -> torch.Tensor | list[Any]:
+    """What ``core.integrity.digest_matrix`` digests for a column: a tensor as is, object rows as a list."""
     if isinstance(value, torch.Tensor):
-        return tensor_row_digests(value)
+        return value
     if isinstance(value, np.ndarray):
-        return object_row_digests(list(value))
+        return list(value)
     if hasattr(value, "tolist"):
-        return object_row_digests(value.tolist())
-    raise TypeError(f"cannot digest a column of type {type(value).__name__}")
+        return value.tolist()
+    raise TypeError(f"field {name!r}: cannot digest a column of type {type(value).__name__}")

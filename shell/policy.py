@@ -262,6 +262,21 @@ def merge_train(results: Sequence[Mapping[str, Any]]) -> TrainResult:
     )
 
 
+def tensor_bytes(value: Any) -> int:
+    """Payload bytes of a tensor, or of every tensor in a TensorDict / mapping (0 for anything else)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            return sum(tensor_bytes(row) for row in value.unbind())
+        return value.numel() * value.element_size()
+    if isinstance(value, (TensorDict, Mapping)):
+        return sum(tensor_bytes(v) for v in value.values())
+    return 0
+
+
+def _shard_bytes(shards: Sequence[RankShard]) -> int:
+    return sum(tensor_bytes(shard.data) for shard in shards)
+
+
 def _train_fields(loss_fn: Any) -> list[str]:
     return [INPUT_IDS, *getattr(loss_fn, "input_fields", ())]
 
@@ -308,10 +323,16 @@ class Policy:
             raise TypeError(f"'config' must be a PolicyConfig: got {type(config).__name__}")
         self.config = config
         self.group = group if group is not None else build_group(config)
+        self._driver_bytes = 0
 
     def shutdown(self) -> None:
         """Shut the worker group down (a second call does nothing)."""
         self.group.shutdown()
+
+    def drain_driver_bytes(self) -> int:
+        """Tensor bytes this policy sent to or received from its workers since the last call."""
+        out, self._driver_bytes = self._driver_bytes, 0
+        return out
 
     def get_logprobs(self, data: TensorDict) -> TensorDict:
         """``prev_logprobs`` FloatTensor[N, S_pad] of ``data``'s rows, in caller order."""
@@ -321,15 +342,35 @@ class Policy:
         """``reference_policy_logprobs`` FloatTensor[N, S_pad] of ``data``'s rows, in caller order."""
         return self._logprobs(data, "get_reference_logprobs", REFERENCE_LOGPROBS)
 
+    def get_logprobs_and_reference(self, data: TensorDict) -> TensorDict:
+        """``prev_logprobs`` and ``reference_policy_logprobs`` of ``data``'s rows from one call, in caller order.
+
+        The same values as :meth:`get_logprobs` and :meth:`get_reference_logprobs`, with one shipment of rows.
+        """
+        shards, unsorted = legacy_shards(data, self.config, fields=[INPUT_IDS], train=False)
+        results = self.group.run_sharded("get_logprobs_and_reference", shards)
+        order = torch.tensor(unsorted, dtype=torch.long)
+        out = TensorDict(
+            {
+                PREV_LOGPROBS: torch.cat([r["logprobs"] for r in results])[order],
+                REFERENCE_LOGPROBS: torch.cat([r["reference"] for r in results])[order],
+            },
+            batch_size=[len(unsorted)],
+        )
+        self._driver_bytes += _shard_bytes(shards) + tensor_bytes(out)
+        return out
+
     def _logprobs(self, data: TensorDict, method: str, name: str) -> TensorDict:
         shards, unsorted = legacy_shards(data, self.config, fields=[INPUT_IDS], train=False)
         results = self.group.run_sharded(method, shards)
         merged = torch.cat([r["logprobs"] for r in results])[torch.tensor(unsorted, dtype=torch.long)]
+        self._driver_bytes += _shard_bytes(shards) + tensor_bytes(merged)
         return TensorDict({name: merged}, batch_size=[len(unsorted)])
 
     def train(self, data: TensorDict, loss_fn: Any) -> TrainResult:
         """One optimizer step per ``train_global_batch_size`` rows of ``data``."""
         shards, _ = legacy_shards(data, self.config, fields=_train_fields(loss_fn), train=True)
+        self._driver_bytes += _shard_bytes(shards)
         return merge_train(self.group.run_sharded("train", shards, common_kwargs={"loss_fn": loss_fn}))
 
 
@@ -360,6 +401,16 @@ class DataPlanePolicy:
         self.fetch_policy = fetch_policy
         self.group = group if group is not None else build_group(config, client_factory=client_factory)
         self.group.run_all("setup_data_plane", client_factory)
+        self._worker_io = {"ms": 0.0, "bytes": 0.0}
+
+    def drain_worker_io(self) -> dict[str, float]:
+        """Store time (ms, summed over ranks) and bytes the workers reported since the last call.
+
+        Workers report their store activity when their client is metered
+        (a ``client_factory`` returning :class:`shell.metering.MeteredClient`); else zeros.
+        """
+        out, self._worker_io = self._worker_io, {"ms": 0.0, "bytes": 0.0}
+        return out
 
     def shutdown(self) -> None:
         """Shut the worker group down (a second call does nothing); the driver's client stays open."""
@@ -399,12 +450,17 @@ class DataPlanePolicy:
         self._check_stamped(meta)
         try:
             shards, _ = shard_step(meta, self.config, train=train)
-            return self.group.run_sharded(
+            results = self.group.run_sharded(
                 method, shards, common_kwargs={"fetch_policy": self.fetch_policy, **kwargs}
             )
         except BaseException:
             self.finish_step(meta)
             raise
+        for result in results:
+            io = result.get("data_plane") if isinstance(result, Mapping) else None
+            if io:
+                self._worker_io = {k: self._worker_io[k] + float(io[k]) for k in self._worker_io}
+        return results
 
     # ------------------------------------------------------------ calls
 
@@ -417,6 +473,11 @@ class DataPlanePolicy:
         """Write ``reference_policy_logprobs`` of ``meta``'s rows; return ``meta`` listing it."""
         self._run(meta, "get_reference_logprobs_presharded", train=False)
         return meta.with_fields([REFERENCE_LOGPROBS])
+
+    def get_logprobs_and_reference(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Write both log-probs of ``meta``'s rows from one fetch and one put per replica; return ``meta`` listing them."""
+        self._run(meta, "get_logprobs_and_reference_presharded", train=False)
+        return meta.with_fields([PREV_LOGPROBS, REFERENCE_LOGPROBS])
 
     def train(self, meta: KVBatchMeta, loss_fn: Any) -> TrainResult:
         """One optimizer step per ``train_global_batch_size`` rows of ``meta``."""

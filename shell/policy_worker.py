@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import attrs
+import ray
 import torch
 from tensordict import TensorDict
 
@@ -156,6 +157,19 @@ def fetch_rank_batch(
     return batch
 
 
+def client_io(client: DataPlaneClient | None) -> dict[str, float]:
+    """The store activity of ``client`` since the last call: ``{"ms", "bytes"}`` (zeros unless it is metered).
+
+    A :class:`shell.metering.MeteredClient` reports its ``step_delta()``; any
+    other client reports nothing measured.
+    """
+    delta = getattr(client, "step_delta", None)
+    if delta is None:
+        return {"ms": 0.0, "bytes": 0.0}
+    stats = delta()
+    return {"ms": float(stats.total_ms), "bytes": float(stats.total_bytes)}
+
+
 def _tensors(batch: TensorDict) -> dict[str, torch.Tensor]:
     return {name: value for name, value in batch.items() if isinstance(value, torch.Tensor)}
 
@@ -245,6 +259,22 @@ class PolicyWorker(Worker):
         """The policy's full weights (collective)."""
         return self.backend.state_dict()
 
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load full weights (as ``state_dict`` returns) into the policy; the reference model is kept."""
+        self.backend.load_state_dict(state)
+
+    def push_weights(self, target: Any) -> bool:
+        """Send the policy's full weights to ``target.load_weights`` (a Ray actor handle) from rank 0 only.
+
+        Collective (every rank gathers its shards); the weights go worker to
+        rollout directly, never through the driver. Returns whether this rank sent.
+        """
+        state = self.backend.state_dict()
+        if self.rank != 0:
+            return False
+        ray.get(target.load_weights.remote(state))
+        return True
+
     # ------------------------------------------------------------ data plane
 
     def fetch(
@@ -303,18 +333,32 @@ class PolicyWorker(Worker):
         """Reference log-probs of ``meta``'s rows, written back as ``reference_policy_logprobs``; small stats."""
         return self._logprobs_presharded(meta, reference=True, fetch_policy=fetch_policy)
 
+    def get_logprobs_and_reference_presharded(self, meta: KVBatchMeta, *, fetch_policy: FetchPolicy = "auto") -> dict[str, Any]:
+        """Both log-probs of ``meta``'s rows from one fetch, written back together (``prev_logprobs`` and
+        ``reference_policy_logprobs``) in one put; returns only small stats."""
+        batch = self.fetch(meta, fields=[INPUT_IDS], policy=fetch_policy)
+        logprobs, stats = self._compute_logprobs(batch, meta.extra_info, reference=False)
+        reference, _ = self._compute_logprobs(batch, meta.extra_info, reference=True)
+        names = [PREV_LOGPROBS, REFERENCE_LOGPROBS]
+        stats["wrote"] = self.write_back(meta, dict(zip(names, (logprobs, reference))), token_fields=names)
+        stats["data_plane"] = client_io(self._client)
+        return stats
+
     def _logprobs_presharded(self, meta: KVBatchMeta, *, reference: bool, fetch_policy: FetchPolicy) -> dict[str, Any]:
         batch = self.fetch(meta, fields=[INPUT_IDS], policy=fetch_policy)
         logprobs, stats = self._compute_logprobs(batch, meta.extra_info, reference=reference)
         name = REFERENCE_LOGPROBS if reference else PREV_LOGPROBS
         stats["wrote"] = self.write_back(meta, {name: logprobs}, token_fields=[name])
+        stats["data_plane"] = client_io(self._client)
         return stats
 
     def train_presharded(self, meta: KVBatchMeta, *, loss_fn: Any, fetch_policy: FetchPolicy = "auto") -> dict[str, Any]:
         """One train step per global batch of ``meta``'s rows; returns losses, grad norms and metrics."""
         fields = [INPUT_IDS, *getattr(loss_fn, "input_fields", ())]
         batch = self.fetch(meta, fields=fields, policy=fetch_policy)
-        return self._compute_train(batch, meta.extra_info, loss_fn)
+        result = self._compute_train(batch, meta.extra_info, loss_fn)
+        result["data_plane"] = client_io(self._client)
+        return result
 
     # ------------------------------------------------------------ legacy (driver-sliced shards)
 
@@ -325,6 +369,12 @@ class PolicyWorker(Worker):
     def get_reference_logprobs(self, shard: RankShard) -> dict[str, Any] | None:
         """Reference log-probs of the shard's rows, as ``get_logprobs``."""
         return self._legacy_logprobs(shard, reference=True)
+
+    def get_logprobs_and_reference(self, shard: RankShard) -> dict[str, Any] | None:
+        """Both log-probs of the shard's rows (``logprobs``, ``reference`` [B, S] plus stats) on the replica leader."""
+        logprobs, stats = self._compute_logprobs(shard.data, shard.extra_info, reference=False)
+        reference, _ = self._compute_logprobs(shard.data, shard.extra_info, reference=True)
+        return {"logprobs": logprobs, "reference": reference, **stats} if self.is_replica_leader else None
 
     def _legacy_logprobs(self, shard: RankShard, *, reference: bool) -> dict[str, Any] | None:
         logprobs, stats = self._compute_logprobs(shard.data, shard.extra_info, reference=reference)

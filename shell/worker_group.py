@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import re
 import socket
 import time
@@ -213,6 +214,10 @@ class Worker:
                 mine = group
         self._placement = placement
         self._replica_group = mine
+
+    def process_id(self) -> int:
+        """This worker's OS process id (for operators: e.g. to find or signal a rank's process)."""
+        return os.getpid()
 
     def destroy_distributed(self) -> None:
         """Leave the process group (and its replica groups); a no-op when not joined."""
@@ -650,7 +655,10 @@ class WorkerGroup:
         self, method: str, failures: Mapping[Rank, RayError], *, still_running: int, called: int
     ) -> WorkerError:
         failed = tuple(sorted(failures))
-        first = failed[0]
+        # A dead actor is the cause; ranks in a collective with it fail as a consequence: name it first.
+        dead = [r for r in failed if isinstance(failures[r], RayActorError)]
+        first = dead[0] if dead else failed[0]
+        shown = "dead rank shown" if dead and len(failed) > 1 else "lowest rank shown"
         error = failures[first]
         coords = self._sharding.coords(first)
         where = f"rank {first} ({_format_coords(coords)})"
@@ -661,13 +669,13 @@ class WorkerGroup:
             cause = error.cause
             summary = f"{type(cause).__name__}: {cause}"
             remote = _ANSI.sub("", str(error))  # ray's own text: the remote process, then its traceback
-            message = f"{where} raised in '{method}': {summary} [{tally}; lowest rank shown]\n--- remote traceback of rank {first} ---\n{remote}"
+            message = f"{where} raised in '{method}': {summary} [{tally}; {shown}]\n--- remote traceback of rank {first} ---\n{remote}"
         elif isinstance(error, RayActorError):
             remote = ""
-            message = f"{where} died during '{method}': its actor is dead [{tally}; lowest rank shown]\n{error}"
+            message = f"{where} died during '{method}': its actor is dead [{tally}; {shown}]\n{error}"
         else:
             remote = ""
-            message = f"{where} failed in '{method}': {type(error).__name__}: {error} [{tally}; lowest rank shown]"
+            message = f"{where} failed in '{method}': {type(error).__name__}: {error} [{tally}; {shown}]"
         failure = WorkerError(
             message,
             rank=first,
@@ -683,7 +691,8 @@ class WorkerGroup:
     # ------------------------------------------------------------ shutdown
 
     def shutdown(self, *, timeout_s: float = 10.0) -> None:
-        """Destroy the workers' process groups (best effort, waiting at most ``timeout_s``) and kill the actors.
+        """Destroy the workers' process groups (best effort, waiting at most ``timeout_s``), kill the actors,
+        and wait (at most ``timeout_s`` more) until they are gone, so no call reaches a half-closed worker.
 
         A second call does nothing.
         """
@@ -699,6 +708,7 @@ class WorkerGroup:
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         self._kill_actors()
+        self._wait_gone(timeout_s)
 
     def _kill_actors(self) -> None:
         for actor in self._actors:
@@ -706,6 +716,17 @@ class WorkerGroup:
                 ray.kill(actor, no_restart=True)
             except (RayError, ValueError):
                 pass  # already dead
+
+    def _wait_gone(self, timeout_s: float) -> None:
+        """Poll each killed actor until Ray reports it dead (``ray.kill`` returns before the process exits)."""
+        deadline = time.monotonic() + timeout_s
+        for actor in self._actors:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(actor.process_id.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                except RayError:
+                    break  # dead (or unreachable): gone for callers
+                time.sleep(0.05)
 
     def __enter__(self) -> WorkerGroup:
         return self

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m shell.bench {balance,dataplane,policy} [options] [--markdown]``."""
+"""Entry point: ``python -m shell.bench {balance,dataplane,policy,grpo} [options] [--markdown]``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     balance.add_argument("--seeds", type=int, default=20, help="number of seeded instances per cell (default 20)")
     balance.add_argument("--markdown", action="store_true", help="print Markdown tables (for docs/benchmarks.md)")
     dataplane = sub.add_parser("dataplane", help="store throughput and overheads against raw transports")
-    dataplane.add_argument("--repeats", type=int, default=9, help="timed runs per transport (default 9, at least 7 recommended)")
+    dataplane.add_argument(
+        "--repeats", type=int, default=30,
+        help="timed rounds; each runs every transport twice (compared pairs as A B B A, order rotated) and yields one paired ratio per comparison (default 30; 60 for docs)",
+    )
     dataplane.add_argument("--rows", type=int, default=256, help="rows in the payload (default 256)")
     dataplane.add_argument("--profile", action="store_true", help="also profile the adapter's put and get")
     dataplane.add_argument("--markdown", action="store_true", help="print Markdown tables")
@@ -23,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     policy.add_argument("--repeats", type=int, default=3, help="timed calls per path (default 3)")
     policy.add_argument("--rows", type=int, default=256, help="ragged rows in the batch (default 256, even)")
     policy.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    grpo = sub.add_parser("grpo", help="GRPO step time and driver bytes: data-plane vs legacy path, with parity")
+    grpo.add_argument("--steps", type=int, default=20, help="steps per run (default 20)")
+    grpo.add_argument("--repeats", type=int, default=3, help="runs per path, order alternated (default 3)")
+    grpo.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides (see python -m shell.run --help)")
+    grpo.add_argument("--markdown", action="store_true", help="print Markdown tables")
     args = parser.parse_args(argv)
     if getattr(args, "seeds", 1) < 1:
         parser.error(f"--seeds must be >= 1: got {args.seeds}")
@@ -43,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         from shell.bench.policy import run as run_policy
 
         run_policy(PolicyBenchConfig(rows=args.rows, repeats=args.repeats), report)
+    elif args.name == "grpo":
+        from shell.bench.grpo import GrpoBenchConfig
+        from shell.bench.grpo import run as run_grpo
+
+        run_grpo(GrpoBenchConfig(steps=args.steps, repeats=args.repeats, overrides=tuple(args.overrides)), report)
     return 0
 
 

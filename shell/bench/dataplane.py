@@ -4,15 +4,25 @@ Payload: 256 rows with lognormal lengths (median 700, clipped to 16..2048) and
 three per-token fields, jagged on the wire: ``input_ids`` int64,
 ``token_mask`` bool and ``logprobs`` float32.
 
-Each transport puts the payload under fresh keys and gets it back, ``repeats``
-times, interleaved round-robin so drift on the machine hits every transport
-alike (the order rotates every round); MB/s is payload bytes over the median wall time. Transports:
+Transports:
 
 * ``TransferQueueStore`` (this project's adapter), bare and wrapped in
   ``MeteredClient`` (integrity off and on);
 * raw TransferQueue ``kv_batch_put`` / ``kv_batch_get`` on the same TensorDict;
 * ``MemoryStore``;
 * ``ray.put`` / ``ray.get`` of the same TensorDict (the legacy transport).
+
+Paired rounds: every round puts the payload twice (under fresh keys) through
+every transport, then gets both back, then clears. The two sides of a
+comparison (adapter against raw TransferQueue, integrity on against off) run
+back to back as A B B A, the pairs swap sides and the blocks rotate from round
+to round, so drift on the machine hits both sides alike (:func:`round_order`).
+A comparison is the ratio of the two sides' times *within* a round, and the report
+gives the median of those per-round ratios with a distribution-free 95%
+confidence interval of the median, the interquartile range and min..max. The
+first round warms up and is not counted. The hashing share is measured each
+round too: the digests ``MeteredClient`` computes on a verified get, over the
+columns the adapter read back that round, divided by that round's raw get.
 
 Also measured: the metering overhead per op against a client that does
 nothing (isolates the wrapper's own cost), and, with ``--profile``, where the
@@ -22,10 +32,11 @@ adapter's put and get spend their time.
 from __future__ import annotations
 
 import cProfile
+import math
 import pstats
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -38,12 +49,18 @@ from adapters.memory import MemoryStore
 from adapters.rows import read_columns_of
 from adapters.transfer_queue import TransferQueueStore
 from core.codec import to_jagged
-from core.integrity import tensor_row_digests
+from core.integrity import digest_matrix
 from core.meta import KVBatchMeta
 from shell.bench.report import Report
 from shell.metering import MeteredClient
 
 FIELDS = ("input_ids", "token_mask", "logprobs")
+ADAPTER = "TransferQueueStore (ours)"
+METERED = "MeteredClient(TransferQueueStore)"
+INTEGRITY = "MeteredClient(TransferQueueStore, integrity)"
+RAW_TQ = "raw TransferQueue kv_batch_put/get"
+MEMORY = "MemoryStore (ours)"
+RAY = "ray.put/ray.get"
 
 
 @attrs.frozen
@@ -51,9 +68,18 @@ class DataplaneConfig:
     """Sizes of the data-plane benchmark."""
 
     rows: int = 256
-    repeats: int = 9
+    repeats: int = 30
     seed: int = 0
     profile: bool = False
+
+
+@attrs.frozen
+class Transport:
+    """How the benchmark drives one transport: ``put`` returns a handle that ``get`` and ``clear`` take."""
+
+    put: Callable[[list[str], str, TensorDict], Any]
+    get: Callable[[list[str], str, Any], Any]
+    clear: Callable[[list[str], str, Any], None]
 
 
 def payload(cfg: DataplaneConfig) -> tuple[TensorDict, int]:
@@ -98,12 +124,75 @@ def _median_us(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def _client_ops(client: Any) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
-    return (
-        lambda keys, pid, td: client.put(keys, pid, td),
-        lambda keys, pid: client.get(keys, pid, list(FIELDS)),
-        lambda keys, pid: client.clear(keys, pid),
+def _client(client: Any) -> Transport:
+    return Transport(
+        put=lambda keys, pid, td: client.put(keys, pid, td),
+        get=lambda keys, pid, _: client.get(keys, pid, list(FIELDS)),
+        clear=lambda keys, pid, _: client.clear(keys, pid),
     )
+
+
+PAIRED_BLOCKS: tuple[tuple[str, ...], ...] = ((ADAPTER, RAW_TQ), (METERED, INTEGRITY), (MEMORY,), (RAY,))
+"""Transports compared with each other run back to back, in one block."""
+
+
+def round_order(rep: int) -> list[str]:
+    """The call order of round ``rep``: every transport twice, each compared pair as A B B A.
+
+    The A B B A pattern cancels drift that is linear over the block. The blocks
+    rotate by one each round and the pairs swap sides after each full
+    rotation, so over ``2 * len(PAIRED_BLOCKS)`` rounds every block takes every
+    position once with each side of its pair outside.
+
+    Example:
+        >>> [name.split()[0] for name in round_order(0)[:4]]
+        ['TransferQueueStore', 'raw', 'raw', 'TransferQueueStore']
+        >>> [name.split()[0] for name in round_order(4)[:4]]
+        ['raw', 'TransferQueueStore', 'TransferQueueStore', 'raw']
+    """
+    shift = rep % len(PAIRED_BLOCKS)
+    swap = (rep // len(PAIRED_BLOCKS)) % 2 == 1
+    blocks = [block[::-1] if swap else block for block in PAIRED_BLOCKS[shift:] + PAIRED_BLOCKS[:shift]]
+    return [name for block in blocks for name in (*block, *block[::-1])]
+
+
+def median_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median: order statistics ``(x_(k), x_(n+1-k))``.
+
+    ``k`` is the largest rank with ``P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2``;
+    with fewer than 6 values no such rank exists and the interval is min..max.
+
+    Example:
+        >>> median_ci(list(range(1, 21)))
+        (6, 15)
+    """
+    xs = sorted(values)
+    n = len(xs)
+    if n == 0:
+        raise ValueError("'values' must not be empty: got no values")
+    tail = (1 - confidence) / 2
+    k, below = 0, 0.0
+    while k < n // 2:
+        below += math.comb(n, k) / 2**n  # P(Binomial(n, 1/2) <= k)
+        if below > tail:
+            break
+        k += 1
+    if k == 0:
+        return xs[0], xs[-1]
+    return xs[k - 1], xs[n - k]
+
+
+def _ratio_row(label: str, ratios: Sequence[float], goal: float | None, *, percent: bool) -> list[str]:
+    med = statistics.median(ratios)
+    lo, hi = median_ci(ratios)
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (med, med, med)
+
+    def fmt(x: float) -> str:
+        return f"{100 * x:.1f}%" if percent else f"{x:.3f}"
+
+    verdict = "-" if goal is None else ("yes" if med <= goal else "no") + (" (CI too)" if hi <= goal else "")
+    return [label, fmt(med), f"{fmt(lo)} .. {fmt(hi)}", f"{fmt(q1)} .. {fmt(q3)}", f"{fmt(min(ratios))} .. {fmt(max(ratios))}",
+            "-" if goal is None else f"<= {fmt(goal)}", verdict]
 
 
 def run(cfg: DataplaneConfig, report: Report) -> None:
@@ -113,60 +202,81 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
     store = TransferQueueStore.start()
     try:
         memory = MemoryStore()
-        transports: dict[str, tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]] = {
-            "TransferQueueStore (ours)": _client_ops(store),
-            "MeteredClient(TransferQueueStore)": _client_ops(MeteredClient(store)),
-            "MeteredClient(TransferQueueStore, integrity)": _client_ops(MeteredClient(store, verify_integrity=True)),
-            "raw TransferQueue kv_batch_put/get": (
-                raw.raw_tq_put,
-                lambda keys, pid: raw.raw_tq_get(keys, pid, FIELDS),
-                raw.raw_tq_clear,
+        transports: dict[str, Transport] = {
+            ADAPTER: _client(store),
+            METERED: _client(MeteredClient(store)),
+            INTEGRITY: _client(MeteredClient(store, verify_integrity=True)),
+            RAW_TQ: Transport(
+                put=raw.raw_tq_put,
+                get=lambda keys, pid, _: raw.raw_tq_get(keys, pid, FIELDS),
+                clear=lambda keys, pid, _: raw.raw_tq_clear(keys, pid),
             ),
-            "MemoryStore (ours)": _client_ops(memory),
+            MEMORY: _client(memory),
+            RAY: Transport(put=lambda keys, pid, td: raw.ray_put(td), get=lambda keys, pid, ref: raw.ray_get(ref),
+                           clear=lambda keys, pid, ref: None),
         }
-        times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in [*transports, "ray.put/ray.get"]}
+        names = list(transports)
+        partitions = {name: f"bench-{i}" for i, name in enumerate(names)}
+        puts: dict[str, list[float]] = {name: [] for name in names}
+        gets: dict[str, list[float]] = {name: [] for name in names}
+        hashing: list[float] = []
         for rep in range(cfg.repeats + 1):  # the first round warms up and is not counted
-            names = list(transports)
-            shift = rep % len(names)  # rotate the order each round so no transport always runs first
-            for name in names[shift:] + names[:shift]:
-                put, get, clear = transports[name]
-                keys = [f"r{rep}_{i}" for i in range(cfg.rows)]
-                pid = f"bench-{abs(hash(name)) % 10_000}"
+            calls, seen = [], dict.fromkeys(names, 0)
+            for name in round_order(rep):  # (transport, which of its two calls)
+                calls.append((name, seen[name]))
+                seen[name] += 1
+            keys = [[f"r{rep}_{occ}_{i}" for i in range(cfg.rows)] for occ in range(2)]
+            handles: dict[tuple[str, int], Any] = {}
+            took_put, took_get = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+            for name, occ in calls:
                 start = time.perf_counter()
-                put(keys, pid, td)
-                mid = time.perf_counter()
-                get(keys, pid)
-                end = time.perf_counter()
-                clear(keys, pid)
-                if rep:
-                    times[name][0].append(mid - start)
-                    times[name][1].append(end - mid)
+                handles[name, occ] = transports[name].put(keys[occ], partitions[name], td)
+                took_put[name] += time.perf_counter() - start
+            read = None
+            for name, occ in calls:
+                start = time.perf_counter()
+                out = transports[name].get(keys[occ], partitions[name], handles[name, occ])
+                took_get[name] += time.perf_counter() - start
+                if name == ADAPTER:
+                    read = out
             start = time.perf_counter()
-            ref = raw.ray_put(td)
-            mid = time.perf_counter()
-            raw.ray_get(ref)
-            end = time.perf_counter()
-            del ref
+            digest_matrix(list(read_columns_of(read).values()))  # what a verified get hashes
+            took_hash = time.perf_counter() - start
+            for name, occ in calls:
+                transports[name].clear(keys[occ], partitions[name], handles[name, occ])
+            del handles, read
             if rep:
-                times["ray.put/ray.get"][0].append(mid - start)
-                times["ray.put/ray.get"][1].append(end - mid)
+                for name in names:
+                    puts[name].append(took_put[name] / 2)
+                    gets[name].append(took_get[name] / 2)
+                hashing.append(took_hash)
             report.advance()
-        med = {name: (statistics.median(p), statistics.median(g)) for name, (p, g) in times.items()}
-        raw_put, raw_get = med["raw TransferQueue kv_batch_put/get"]
-        rows = []
-        for name, (p, g) in med.items():
-            rows.append([
-                name, f"{nbytes / p / 1e6:.0f}", f"{nbytes / g / 1e6:.0f}", f"{p * 1e3:.1f}", f"{g * 1e3:.1f}",
-                f"{p / raw_put:.2f}", f"{g / raw_get:.2f}",
-            ])
+
+        med = {name: (statistics.median(puts[name]), statistics.median(gets[name])) for name in names}
+        raw_put, raw_get = med[RAW_TQ]
         report.table(
-            f"store throughput: {cfg.rows} rows, {nbytes / 1e6:.1f} MB payload, median of {cfg.repeats} runs",
+            f"store throughput: {cfg.rows} rows, {nbytes / 1e6:.1f} MB payload, median over {cfg.repeats} rounds of 2 calls",
             ["transport", "put MB/s", "get MB/s", "put ms", "get ms", "put time / raw TQ", "get time / raw TQ"],
-            rows,
+            [[name, f"{nbytes / p / 1e6:.0f}", f"{nbytes / g / 1e6:.0f}", f"{p * 1e3:.1f}", f"{g * 1e3:.1f}",
+              f"{p / raw_put:.2f}", f"{g / raw_get:.2f}"] for name, (p, g) in med.items()],
         )
-        ours_put, ours_get = med["TransferQueueStore (ours)"]
-        metered_get = med["MeteredClient(TransferQueueStore)"][1]
-        integrity_get = med["MeteredClient(TransferQueueStore, integrity)"][1]
+
+        def paired(a: list[float], b: list[float]) -> list[float]:
+            return [x / y for x, y in zip(a, b)]
+
+        report.table(
+            f"paired per-round ratios over {cfg.repeats} rounds (A B B A pairs, order rotated; median, its 95% CI, IQR, range)",
+            ["measure", "median", "95% CI of median", "IQR", "min .. max", "goal", "met"],
+            [
+                _ratio_row("adapter put time / raw TQ put", paired(puts[ADAPTER], puts[RAW_TQ]), 1.05, percent=False),
+                _ratio_row("adapter get time / raw TQ get", paired(gets[ADAPTER], gets[RAW_TQ]), 1.05, percent=False),
+                _ratio_row("hashing a get's rows / raw TQ get", paired(hashing, gets[RAW_TQ]), 0.10, percent=True),
+                _ratio_row("integrity put / metered put (end to end)", paired(puts[INTEGRITY], puts[METERED]), None, percent=False),
+                _ratio_row("integrity get / metered get (end to end)", paired(gets[INTEGRITY], gets[METERED]), None, percent=False),
+            ],
+        )
+
+        ours_put, ours_get = med[ADAPTER]
         keys = [f"n{i}" for i in range(cfg.rows)]
         null = _NullClient(td, keys)
         metered_null = MeteredClient(null)
@@ -175,23 +285,15 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
             op: _median_us(lambda: getattr(metered_null, op)(keys, "null", *args), reps) - _median_us(lambda: getattr(null, op)(keys, "null", *args), reps)
             for op, args in (("put", (td,)), ("get", (list(FIELDS),)), ("clear", ()))
         }
-        hash_keys = [f"h{i}" for i in range(cfg.rows)]
-        store.put(hash_keys, "hash", td)
-        columns = read_columns_of(store.get(hash_keys, "hash", list(FIELDS)))
-        hash_s = _median_us(lambda: [tensor_row_digests(v) for v in columns.values()], cfg.repeats) / 1e6
-        store.clear(hash_keys, "hash")
         report.advance()
         report.table(
-            "overheads (goal in brackets)",
+            "other overheads (goal in brackets)",
             ["measure", "value"],
             [
-                ["adapter put time over raw TQ (<= 5%)", f"{100 * (ours_put / raw_put - 1):+.1f}%"],
-                ["adapter get time over raw TQ (<= 5%)", f"{100 * (ours_get / raw_get - 1):+.1f}%"],
                 *[[f"metering, integrity off, per {op} (<= 40 us)", f"{us:.1f} us"] for op, us in overhead.items()],
-                ["integrity: hashing the read rows, share of a raw TQ get (<= 10%)", f"{100 * hash_s / raw_get:.1f}%"],
-                ["integrity end to end (hashing + 3 digest columns), share of a metered TQ get", f"{100 * (integrity_get / metered_get - 1):.1f}%"],
-                ["TQ adapter put time / ray.put", f"{ours_put / med['ray.put/ray.get'][0]:.1f}x"],
-                ["TQ adapter get time / ray.get", f"{ours_get / med['ray.put/ray.get'][1]:.1f}x"],
+                ["hashing a get's rows (3 fields, median)", f"{statistics.median(hashing) * 1e3:.2f} ms"],
+                ["TQ adapter put time / ray.put", f"{ours_put / med[RAY][0]:.1f}x"],
+                ["TQ adapter get time / ray.get", f"{ours_get / med[RAY][1]:.1f}x"],
             ],
         )
         if cfg.profile:

@@ -7,7 +7,9 @@ adapter. An adapter that needs a session resource gets it through the request:
 the TransferQueue factory calls ``request.getfixturevalue("tq_store_session")``,
 so Ray and TransferQueue start once per session (``ray_cluster``,
 ``tq_store_session``) and never inside a test body. Each test gets its own
-attached handle, whose ``close()`` leaves TransferQueue running.
+attached handle, whose ``close()`` leaves TransferQueue running. The Ray memory
+store works the same way: one store actor per session (``ray_memory_session``),
+one attached client per test.
 
 Tests use their own ``partition`` (a fresh uuid) so a store shared across tests
 never mixes their keys.
@@ -25,6 +27,8 @@ import pytest
 import ray
 
 from adapters.memory import MemoryStore
+from adapters.ray_memory import RayMemoryStore
+from adapters.ray_memory import is_running as ray_memory_is_running
 from adapters.transfer_queue import TransferQueueStore, is_running
 from shell.dataplane import DataPlaneClient
 
@@ -43,15 +47,22 @@ def _transfer_queue_store(request: pytest.FixtureRequest) -> DataPlaneClient:
     return TransferQueueStore.attach()
 
 
+def _ray_memory_store(request: pytest.FixtureRequest) -> DataPlaneClient:
+    session: RayMemoryStore = request.getfixturevalue("ray_memory_session")
+    return RayMemoryStore.attach(session.name)
+
+
 STORE_FACTORIES: dict[str, StoreFactory] = {
     "memory": _memory_store,
     "transfer_queue": _transfer_queue_store,
+    "ray_memory": _ray_memory_store,
 }
 
 STORE_MARKS: dict[str, tuple[pytest.MarkDecorator, ...]] = {
     "transfer_queue": (pytest.mark.e2e,),
+    "ray_memory": (pytest.mark.e2e,),
 }
-"""Marks of each adapter's params (TransferQueue needs real Ray: ``e2e``)."""
+"""Marks of each adapter's params (TransferQueue and the Ray memory store need real Ray: ``e2e``)."""
 
 
 @pytest.fixture(scope="session")
@@ -93,6 +104,26 @@ def tq_store_session(ray_cluster: None) -> Iterator[TransferQueueStore]:
             time.sleep(0.1)
         assert not is_running(), "closing the owning store must shut TransferQueue's controller down"
         assert ray.is_initialized(), "closing TransferQueue must leave the session's Ray running"
+
+
+@pytest.fixture(scope="session")
+def ray_memory_session(ray_cluster: None) -> Iterator[RayMemoryStore]:
+    """One store actor (``RayMemoryStore.start``) on the session's Ray cluster; the owning client.
+
+    Teardown closes it twice (the second close must be a no-op) and checks
+    that the actor is gone while Ray keeps running.
+    """
+    store = RayMemoryStore.start()
+    try:
+        yield store
+    finally:
+        store.close()
+        store.close()
+        deadline = time.monotonic() + 10.0  # ray.kill completes asynchronously
+        while ray_memory_is_running(store.name) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not ray_memory_is_running(store.name), "closing the owning store must kill its actor"
+        assert ray.is_initialized(), "closing the Ray memory store must leave the session's Ray running"
 
 
 @pytest.fixture(params=[pytest.param(name, marks=STORE_MARKS.get(name, ())) for name in STORE_FACTORIES])

@@ -44,6 +44,9 @@ MICRO_BATCHES: list[dict[str, torch.Tensor]] = [
     {"input_ids": INPUT_IDS[2:, :10], "lengths": LENGTHS[2:].clamp(max=10)},  # a different shape on purpose
 ]
 Results = dict[str, Any]
+GEN_PROMPT_LENGTHS = torch.tensor([4, 2, 3, 4])
+GEN_PROMPTS = torch.where(torch.arange(4)[None, :] < GEN_PROMPT_LENGTHS[:, None], INPUT_IDS[:, :4], 0)
+GEN_NEW_TOKENS, GEN_EOS, GEN_VOCAB_LIMIT = 6, 3, 5
 
 
 def _loss_fn(logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -119,6 +122,28 @@ def _single_rank(rank: int, inputs: Results) -> Results:
     backend.load_state_dict(out["initial_state"])
     out["reloaded_logprobs"] = backend.logprobs(INPUT_IDS, LENGTHS)
 
+    sampler = _backend()
+    for name, limit in (("generated", None), ("generated_again", None), ("generated_limited", GEN_VOCAB_LIMIT)):
+        out[name] = sampler.generate(
+            GEN_PROMPTS, GEN_PROMPT_LENGTHS, max_new_tokens=GEN_NEW_TOKENS, eos_id=GEN_EOS,
+            generator=torch.Generator().manual_seed(7), vocab_limit=limit,
+        )
+    out["generated_other_seed"] = sampler.generate(
+        GEN_PROMPTS, GEN_PROMPT_LENGTHS, max_new_tokens=GEN_NEW_TOKENS, eos_id=GEN_EOS,
+        generator=torch.Generator().manual_seed(8),
+    )
+
+    def generate(**kwargs: Any) -> object:
+        args = {"max_new_tokens": GEN_NEW_TOKENS, "eos_id": GEN_EOS, "generator": torch.Generator(), **kwargs}
+        return sampler.generate(GEN_PROMPTS, GEN_PROMPT_LENGTHS, **args)
+
+    out["generate_errors"] = {
+        "no_new_tokens": _capture(lambda: generate(max_new_tokens=0)),
+        "zero_temperature": _capture(lambda: generate(temperature=0.0)),
+        "too_long": _capture(lambda: generate(max_new_tokens=CONFIG.max_sequence_length)),
+        "vocab_limit_zero": _capture(lambda: generate(vocab_limit=0)),
+    }
+
     missing = dict(out["initial_state"])
     missing.pop("output_layer.weight")
     reshaped = {**out["initial_state"], "output_layer.weight": torch.zeros(3, 3)}
@@ -152,6 +177,9 @@ def _model_parallel(rank: int, inputs: Results) -> Results:
     }
     out["trained_state"] = backend.state_dict()
     out["trained_logprobs"] = backend.logprobs(INPUT_IDS, LENGTHS)
+    out["generate_error"] = _capture(
+        lambda: backend.generate(GEN_PROMPTS, GEN_PROMPT_LENGTHS, max_new_tokens=2, eos_id=GEN_EOS, generator=torch.Generator())
+    )
     backend.load_state_dict(inputs["state"])
     out["loaded_logprobs"] = backend.logprobs(INPUT_IDS, LENGTHS)
     return out
@@ -461,6 +489,52 @@ def test_load_state_dict_rejects_missing_keys_and_wrong_shapes(single: Results) 
 
 
 # -- tensor, pipeline and data parallel ----------------------------------------------------------------
+
+
+def test_generate_is_deterministic_for_a_generator_seed(single: Results) -> None:
+    """The same weights, prompts and generator seed give the same tokens; another seed gives others."""
+    (seqs, lengths), (again, again_lengths) = single["generated"], single["generated_again"]
+    assert torch.equal(seqs, again) and torch.equal(lengths, again_lengths)
+    other, _ = single["generated_other_seed"]
+    assert not torch.equal(seqs, other)
+
+
+def test_generate_keeps_prompts_and_stops_at_the_first_eos(single: Results) -> None:
+    """Each row is its prompt, then 1..max_new_tokens sampled tokens ending at the first EOS, then zeros."""
+    seqs, lengths = single["generated"]
+    assert lengths.dtype == torch.long and seqs.shape[1] == int(lengths.max())
+    for row in range(len(GEN_PROMPTS)):
+        start, end = int(GEN_PROMPT_LENGTHS[row]), int(lengths[row])
+        assert torch.equal(seqs[row, :start], GEN_PROMPTS[row, :start])
+        assert 1 <= end - start <= GEN_NEW_TOKENS
+        response = seqs[row, start:end].tolist()
+        assert GEN_EOS not in response[:-1]
+        assert response[-1] == GEN_EOS or len(response) == GEN_NEW_TOKENS
+        assert not seqs[row, end:].any()
+
+
+def test_generate_samples_only_below_the_vocab_limit(single: Results) -> None:
+    """With vocab_limit, every sampled token id is below it."""
+    seqs, lengths = single["generated_limited"]
+    for row in range(len(GEN_PROMPTS)):
+        assert max(seqs[row, int(GEN_PROMPT_LENGTHS[row]) : int(lengths[row])].tolist()) < GEN_VOCAB_LIMIT
+
+
+def test_generate_rejects_bad_arguments_and_model_parallel_layouts(
+    single: Results, tensor_parallel: list[Results]
+) -> None:
+    """Out-of-range sizes, temperature and vocab limit are ValueErrors; a TP layout cannot generate."""
+    errors = single["generate_errors"]
+    for name, pattern in (
+        ("no_new_tokens", "'max_new_tokens' must be >= 1"),
+        ("zero_temperature", "'temperature' must be a number > 0"),
+        ("too_long", "max_sequence_length"),
+        ("vocab_limit_zero", "'vocab_limit' must be in"),
+    ):
+        with pytest.raises(ValueError, match=pattern):
+            _reraise(errors[name])
+    with pytest.raises(ValueError, match="tensor_parallel = pipeline_parallel = 1"):
+        _reraise(tensor_parallel[0]["generate_error"])
 
 
 def test_tensor_parallel_matches_single_rank(single: Results, tensor_parallel: list[Results]) -> None:

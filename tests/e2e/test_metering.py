@@ -1,15 +1,19 @@
-"""MeteredClient: counters, per-step deltas, outstanding bytes, and integrity checks against injected corruption."""
+"""MeteredClient: counters, per-step deltas, outstanding bytes, and integrity checks against injected corruption,
+within one process and across processes (a Ray actor with its own client over TransferQueue)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
+import ray
 import torch
 from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
+from adapters.transfer_queue import TransferQueueStore
 from adapters.rows import columns_equal, read_columns_of
 from core.codec import to_jagged
 from core.meta import KVBatchMeta
@@ -132,7 +136,7 @@ def test_metered_client_integrity_round_trip_never_false_alarms() -> None:
     client = MeteredClient(MemoryStore(), verify_integrity=True)
     batch = _batch()
     receipt = client.put(KEYS, "p", batch)
-    assert not any(f.startswith(DIGEST_PREFIX) for f in receipt.fields)
+    assert receipt.tags is None and set(receipt.fields) == set(batch.keys())
     order = [KEYS[i] for i in (3, 1, 0, 2)]
     fields = ["input_ids", "prompt", "reward", "logprobs"]
     got = read_columns_of(client.get(order, "p", fields))
@@ -142,7 +146,60 @@ def test_metered_client_integrity_round_trip_never_false_alarms() -> None:
     assert set(got) == set(fields)
     for name in fields:
         assert columns_equal(got[name], reference[name]), name
-    assert not any(f.startswith(DIGEST_PREFIX) for f in client.describe(KEYS, "p").fields)
+    described = client.describe(KEYS, "p")
+    assert set(described.fields) == set(batch.keys()) and all(dict(t) == {} for t in described.tags)
+
+
+def test_metered_client_put_keeps_user_tags_and_hides_digest_tags() -> None:
+    """User tags reach the store and come back unchanged; the digest tags never show in a receipt or describe."""
+    client = MeteredClient(MemoryStore(), verify_integrity=True)
+    user = [{"uid": i, "reward": 0.5 * i} for i in range(len(KEYS))]
+    receipt = client.put(KEYS, "p", _batch(), tags=user, sequence_lengths=LENGTHS)
+    assert [dict(t) for t in receipt.tags] == user and list(receipt.sequence_lengths) == LENGTHS
+    assert [dict(t) for t in client.describe(KEYS, "p").tags] == user
+    inner_tags = client.inner.describe(KEYS, "p").tags
+    assert all(set(t) - set(u) == {DIGEST_PREFIX + f for f in _batch().keys()} for t, u in zip(inner_tags, user))
+    client.get(KEYS, "p", ["input_ids", "prompt"])
+
+
+def test_metered_client_rewrite_replaces_the_fields_digest() -> None:
+    """Rewriting one field of some keys (in another put, with other companions) updates exactly its digests."""
+    store = MemoryStore()
+    writer = MeteredClient(store, verify_integrity=True)
+    writer.put(KEYS, "p", _batch())
+    g = torch.Generator().manual_seed(1)
+    rewritten = KEYS[1:3]
+    new_ids = to_jagged(torch.randint(100, 200, (2, 8), generator=g), [6, 2])
+    writer.put(rewritten, "p", TensorDict({"input_ids": new_ids, "extra": torch.ones(2, 3)}, batch_size=[2]))
+    reader = MeteredClient(store, verify_integrity=True)  # no state shared with the writer, as in another process
+    got = reader.get(KEYS, "p", ["input_ids", "logprobs", "reward"])
+    assert torch.equal(got["input_ids"][1], new_ids[0]) and torch.equal(got["input_ids"][2], new_ids[1])
+    assert torch.equal(got["input_ids"][0], _batch()["input_ids"][0])
+    reader.get(rewritten, "p", ["extra", "input_ids"])
+    stale = MeteredClient(FaultyStore(store, "input_ids", lambda j: _jag([*_rows(_batch()["input_ids"])])), verify_integrity=True)
+    with pytest.raises(IntegrityError, match="input_ids") as info:
+        stale.get(KEYS, "p", ["input_ids"])  # the rows as first written no longer match for the rewritten keys
+    assert set(info.value.keys) == set(rewritten)
+
+
+def test_metered_client_get_without_digests_raises_key_error() -> None:
+    """Reading with integrity a field written without it raises KeyError naming the field, not a false alarm."""
+    store = MemoryStore()
+    MeteredClient(store).put(KEYS, "p", _batch())
+    with pytest.raises(KeyError, match="field 'reward' has no integrity digest .* written without verify_integrity=True"):
+        MeteredClient(store, verify_integrity=True).get(KEYS, "p", ["reward"])
+
+
+def test_metered_client_rejects_reserved_tag_names_and_bad_tags() -> None:
+    """Tags may not use the digest prefix and must be one mapping per key; nothing is written."""
+    client = MeteredClient(MemoryStore(), verify_integrity=True)
+    with pytest.raises(ValueError, match="tag names starting with '__digest__.' are reserved"):
+        client.put(KEYS, "p", _batch(), tags=[{DIGEST_PREFIX + "reward": 1}] * len(KEYS))
+    with pytest.raises(ValueError, match=r"'tags' must have 4 entries \(one per key\): got 1"):
+        client.put(KEYS, "p", _batch(), tags=[{}])
+    with pytest.raises(TypeError, match="'tags' entries must be mappings: got int at index 0"):
+        client.put(KEYS, "p", _batch(), tags=[1, 2, 3, 4])  # type: ignore[list-item]
+    assert client.list_keys("p") == ()
 
 
 def test_metered_client_counts_calls_keys_bytes_and_outstanding() -> None:
@@ -188,3 +245,48 @@ def test_metered_client_passes_errors_through() -> None:
     client = MeteredClient(MemoryStore(), verify_integrity=True)
     with pytest.raises(KeyError, match="not stored"):
         client.get(["nope"], "p", ["x"])
+
+
+@ray.remote
+class _Verifier:
+    """A Ray actor (another process) with its own verifying MeteredClient over the session's TransferQueue."""
+
+    def __init__(self) -> None:
+        self._client = MeteredClient(TransferQueueStore.attach(), verify_integrity=True)
+
+    def read(self, keys: list[str], partition: str, names: list[str]) -> dict[str, Any]:
+        got = read_columns_of(self._client.get(keys, partition, names))
+        return {name: got[name] for name in names}
+
+    def double_logprobs(self, keys: list[str], partition: str) -> None:
+        logprobs = self._client.get(keys, partition, ["logprobs"])["logprobs"]
+        self._client.put(keys, partition, TensorDict({"logprobs": logprobs * 2}, batch_size=[len(keys)]))
+
+
+@pytest.mark.e2e
+def test_metered_client_verifies_across_processes_on_transfer_queue(tq_store_session: TransferQueueStore, partition: str) -> None:
+    """An actor's own client verifies what the driver wrote to TransferQueue; the driver verifies the actor's rewrite."""
+    driver = MeteredClient(TransferQueueStore.attach(), verify_integrity=True)
+    batch = _batch()
+    driver.put(KEYS, partition, batch, tags=[{"uid": i} for i in range(len(KEYS))])
+    peer = _Verifier.remote()  # type: ignore[attr-defined]
+    try:
+        order = KEYS[::-1]
+        names = ["input_ids", "prompt", "logprobs"]
+        got = ray.get(peer.read.remote(order, partition, names))
+        expected = read_columns_of(driver.get(order, partition, names))
+        for name in names:
+            assert columns_equal(got[name], expected[name]), name
+        ray.get(peer.double_logprobs.remote(KEYS[2:], partition))  # rows of 3 and 7 tokens
+        after = driver.get(KEYS, partition, ["logprobs", "input_ids"])["logprobs"]
+        before = batch["logprobs"]
+        for i in range(len(KEYS)):
+            assert torch.equal(after[i], before[i] * 2 if i >= 2 else before[i])
+        stale = MeteredClient(FaultyStore(driver.inner, "logprobs", lambda j: before), verify_integrity=True)
+        with pytest.raises(IntegrityError, match="logprobs") as info:
+            stale.get(KEYS, partition, ["logprobs"])
+        assert set(info.value.keys) == {"k2", "k3"}
+        assert [dict(t) for t in driver.describe(KEYS, partition).tags] == [{"uid": i} for i in range(len(KEYS))]
+    finally:
+        ray.kill(peer)
+        driver.close()

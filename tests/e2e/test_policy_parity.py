@@ -195,6 +195,33 @@ def test_policies_give_bitwise_equal_logprobs_and_train_steps(
     assert not set(meta.keys) & set(client.list_keys(meta.partition_id))
 
 
+def test_get_logprobs_and_reference_equals_the_two_calls_on_both_paths(
+    group: WorkerGroup, client: DataPlaneClient
+) -> None:
+    """The combined call gives bitwise the separate calls' log-probs on both paths, with one write per (key, field)."""
+    config = _config(_layout(group), "packing")
+    legacy = Policy(config, group=group)
+    plane = DataPlanePolicy(config, client, group=group, client_factory=recording_transfer_queue)
+    data = _batch(seed=11)
+    group.run_all("reset")
+    expected = legacy.get_logprobs(data)
+    expected.update(legacy.get_reference_logprobs(data))
+    both = legacy.get_logprobs_and_reference(data)
+    meta = plane.prepare_step(_write(client, data))
+    try:
+        group.run_all("take_write_log")
+        meta = plane.get_logprobs_and_reference(meta)
+        counts = _write_counts(group)
+        stored = plane.read(meta, ["prev_logprobs", "reference_policy_logprobs"])
+    finally:
+        plane.finish_step(meta)
+    for name in ("prev_logprobs", "reference_policy_logprobs"):
+        assert torch.equal(both[name], expected[name])
+        assert torch.equal(stored[name], expected[name])
+    assert set(counts.values()) == {1}
+    assert set(counts) == {(k, f) for k in meta.keys for f in ("prev_logprobs", "reference_policy_logprobs")}
+
+
 class MissingFieldLoss(GRPOLoss):
     """A GRPO loss that asks for a field nobody wrote: every worker raises while fetching."""
 

@@ -478,3 +478,162 @@ def policy_batches(
     for name, value in columns.items():
         td.set(name, value)
     return td, dp, gbs, spec
+
+
+# ---------------------------------------------------------------- tasks (core/task.py, core/addition.py)
+# core.addition / core.task are imported inside the strategies, as this section is appended.
+
+tokenizer_alphabets = st.lists(st.characters(), min_size=1, max_size=16, unique=True).map("".join)
+task_seeds = st.integers(0, 2**64 - 1)
+task_steps = st.integers(0, 10**6)
+
+
+@st.composite
+def alphabet_and_text(draw: st.DrawFn) -> tuple[str, str]:
+    """An alphabet and a string over it (possibly empty)."""
+    alphabet = draw(tokenizer_alphabets)
+    return alphabet, draw(st.text(alphabet=alphabet, max_size=24))
+
+
+@st.composite
+def alphabet_and_foreign_text(draw: st.DrawFn) -> tuple[str, str, int]:
+    """An alphabet, a string holding a character outside it, and the position of the first such character."""
+    alphabet = draw(tokenizer_alphabets)
+    prefix = draw(st.text(alphabet=alphabet, max_size=8))
+    foreign = draw(st.characters().filter(lambda c: c not in alphabet))
+    return alphabet, prefix + foreign + draw(st.text(max_size=8)), len(prefix)
+
+
+@st.composite
+def addition_tasks(draw: st.DrawFn, *, positive_weights: bool = False) -> Any:
+    """A valid ``AdditionTask``: any operand bound, a generation limit with some slack, non-negative weights."""
+    from core.addition import AdditionTask
+
+    max_operand = draw(st.integers(0, 9))
+    needed = len(str(2 * max_operand)) + 1
+    low = 1e-3 if positive_weights else 0.0
+    return AdditionTask(
+        max_operand=max_operand,
+        max_new_tokens=draw(st.integers(needed, needed + 3)),
+        digit_weight=draw(st.floats(low, 4.0)),
+        exact_bonus=draw(st.floats(low, 4.0)),
+    )
+
+
+@st.composite
+def addition_rollouts(draw: st.DrawFn, *, positive_weights: bool = False) -> tuple[Any, Any, tuple[int, ...]]:
+    """A task, one of its prompts, and a response obeying the response contract.
+
+    Response ids range over the tokenizer's vocabulary plus a few ids past it (a
+    padded model vocabulary); EOS, if present, is last.
+    """
+    from core.task import EOS_ID
+
+    task = draw(addition_tasks(positive_weights=positive_weights))
+    (prompt,) = task.prompts(draw(task_seeds), draw(task_steps), 1)
+    answer_ids = task.tokenizer.encode(prompt.answer)
+    token = st.integers(0, task.tokenizer.vocab_size + 2).filter(lambda t: t != EOS_ID)
+    # bias towards the answer's digits so matches and exact answers are common
+    body = draw(
+        st.one_of(
+            st.lists(token, max_size=task.max_new_tokens),
+            st.just(list(answer_ids)),
+            st.lists(st.sampled_from(answer_ids), max_size=task.max_new_tokens),
+        )
+    )
+    body = body[: task.max_new_tokens]
+    if len(body) < task.max_new_tokens and draw(st.booleans()):
+        body = [*body, EOS_ID]
+    return task, prompt, tuple(body)
+
+
+# ---------------------------------------------------------------- rollout carry (core/rollout_carry.py)
+# core.rollout_carry is imported inside the strategies, as this section is appended.
+
+carry_rewards = st.sampled_from([0.0, 0.25, 0.5, 1.0])
+"""Rewards of a carry: a small set, so constant and varying groups both occur (and float32 sums are exact)."""
+
+
+@st.composite
+def rollout_carries(draw: st.DrawFn, *, min_size: int = 1, max_size: int = 40, max_groups: int = 5) -> Any:
+    """A valid ``RolloutCarry``: sparse (possibly negative) group ids, rows interleaved, some groups constant."""
+    from core.rollout_carry import RolloutCarry
+
+    n = draw(st.integers(min_size, max_size))
+    ids = draw(st.lists(st.integers(-20, 20), min_size=1, max_size=max_groups, unique=True))
+    group_ids = draw(st.lists(st.sampled_from(ids), min_size=n, max_size=n))
+    constant = {g: draw(st.booleans()) for g in ids}
+    fixed = {g: draw(carry_rewards) for g in ids}
+    prompt = {g: draw(st.integers(0, 99)) for g in ids}
+    return RolloutCarry(
+        rewards=[fixed[g] if constant[g] else draw(carry_rewards) for g in group_ids],
+        lengths=draw(st.lists(st.integers(1, 64), min_size=n, max_size=n)),
+        group_ids=group_ids,
+        prompt_ids=[prompt[g] for g in group_ids],
+        truncated=draw(st.lists(st.booleans(), min_size=n, max_size=n)),
+    )
+
+
+@st.composite
+def carry_and_permutation(draw: st.DrawFn) -> tuple[Any, list[int]]:
+    """A carry and a permutation of its row positions."""
+    carry = draw(rollout_carries())
+    return carry, draw(st.permutations(list(range(carry.size))))
+
+
+@st.composite
+def carry_and_index_blocks(draw: st.DrawFn, *, shuffle: bool) -> tuple[Any, list[list[int]]]:
+    """A carry and its row positions cut into consecutive (possibly empty) blocks, shuffled first if ``shuffle``."""
+    carry = draw(rollout_carries())
+    order = draw(st.permutations(list(range(carry.size)))) if shuffle else list(range(carry.size))
+    cuts = sorted(draw(st.lists(st.integers(0, carry.size), max_size=5)))
+    bounds = [0, *cuts, carry.size]
+    return carry, [order[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+# ---------------------------------------------------------------- integrity (core/integrity.py digests)
+
+DIGEST_DTYPES = (*CODEC_DTYPES, torch.int16, torch.complex64, torch.complex128)
+"""Every element width a digest reads: 1, 2, 4, 8 and 16 bytes (complex128 is two 8-byte words)."""
+
+
+def _digest_tensor(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if dtype.is_complex:
+        real = torch.randn(shape, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1))), dtype=torch.float64)
+        return torch.complex(real, real.flip(-1) if real.dim() else real).to(dtype)
+    return _store_tensor(draw, shape, dtype)
+
+
+@st.composite
+def digest_columns(draw: st.DrawFn, *, max_rows: int = 6, max_len: int = 6) -> torch.Tensor:
+    """A column to digest: dense ``(N,)``, ``(N, S)`` or ``(N, S, D)``, or jagged ``(N, j)`` / ``(N, j, D)``
+    (empty rows common, holes between rows sometimes); any dtype of ``DIGEST_DTYPES``; NaN and -0.0 sometimes."""
+    n = draw(st.integers(0, max_rows))
+    dtype = draw(st.sampled_from(DIGEST_DTYPES))
+    if draw(st.booleans()):
+        rest = draw(st.one_of(st.just(()), st.tuples(st.integers(0, max_len)), st.tuples(st.integers(1, max_len), st.integers(1, 3))))
+        return _digest_tensor(draw, (n, *rest), dtype)
+    lengths = draw(st.lists(st.one_of(st.just(0), st.integers(0, max_len)), min_size=n, max_size=n))
+    gaps = draw(st.one_of(st.none(), st.lists(st.integers(0, 2), min_size=n + 1, max_size=n + 1)))
+    inner = draw(st.one_of(st.just(()), st.tuples(st.integers(1, 3))))
+    starts = [sum(lengths[:i]) + (0 if gaps is None else sum(gaps[: i + 1])) for i in range(n)]
+    total = sum(lengths) + (0 if gaps is None else sum(gaps))
+    values = _digest_tensor(draw, (total, *inner), dtype)
+    end = starts[-1] + lengths[-1] if n else 0
+    offsets = torch.tensor([*starts, end], dtype=torch.int64)
+    if gaps is None:
+        return torch.nested.nested_tensor_from_jagged(values, offsets)
+    return torch.nested.nested_tensor_from_jagged(values, offsets, lengths=torch.tensor(lengths, dtype=torch.int64))
+
+
+@st.composite
+def digest_dense_rows(draw: st.DrawFn) -> torch.Tensor:
+    """A dense ``(N, W)`` column with ``N >= 2`` rows of ``W >= 2`` elements, for corrupting one row."""
+    dtype = draw(st.sampled_from(DIGEST_DTYPES))
+    return _digest_tensor(draw, (draw(st.integers(2, 6)), draw(st.integers(2, 9))), dtype)
+
+
+@st.composite
+def digest_object_rows(draw: st.DrawFn) -> list[Any]:
+    """Per-row Python objects (as ``store_object_values``) for object digests."""
+    return draw(st.lists(store_object_values, max_size=6))

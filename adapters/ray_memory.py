@@ -1,0 +1,337 @@
+"""``RayMemoryStore``: the data-plane port over one :class:`adapters.memory.MemoryStore` hosted in a named Ray actor.
+
+The in-process ``MemoryStore`` cannot serve Ray actors in other processes
+(policy workers, the rollout worker). Here one :class:`MemoryStoreActor` holds
+the ``MemoryStore``, registered under a name in the Ray namespace
+:data:`NAMESPACE`; every :class:`RayMemoryStore` is a client that forwards each
+call to it. :meth:`RayMemoryStore.start` creates the actor and owns it;
+:meth:`RayMemoryStore.attach` joins it by name from any process of the cluster
+and never stops it, so ``functools.partial(RayMemoryStore.attach, store.name)``
+is a picklable client factory for workers.
+
+Invariants (the port's semantics, see :mod:`shell.dataplane`, checked by
+``tests/e2e/test_store_contract.py``):
+  * the semantics are exactly ``MemoryStore``'s: shape-faithful round trips
+    (Ray pickles the TensorDicts both ways, object columns included), all or
+    nothing puts and clears, exact clears, no aliasing (data is copied across
+    processes);
+  * a put's or get's arguments and every put column are checked in the caller's
+    process before any remote call, so a rejected put writes nothing and sends
+    nothing;
+  * an error the ``MemoryStore`` raises in the actor reaches the caller as that
+    exception (same type, same message), never as a ``RayTaskError``;
+  * after ``close()`` every call but ``close()`` raises ``RuntimeError``; only
+    the owner's ``close()`` kills the actor, and a client of a killed actor
+    raises ``RuntimeError`` naming it.
+
+Limits: one actor holds every row in its memory and serves calls one at a
+time; the actor shares the fate of the process that started it; each op's data
+crosses Ray's object store twice (request and reply).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import RayActorError, RayTaskError
+from tensordict import TensorDict
+
+from adapters.memory import MemoryStore
+from adapters.rows import column_spec, read_columns_of
+from core.meta import KVBatchMeta
+from shell.dataplane import Keys, SeqLens, Tags, validate_get, validate_put
+
+NAMESPACE = "rl-dataplane-memory"
+"""The Ray namespace the store actors are named in (any driver of the cluster finds them there)."""
+
+
+@ray.remote(num_cpus=0)
+class MemoryStoreActor:
+    """A Ray actor holding one :class:`adapters.memory.MemoryStore`; each method forwards to it.
+
+    It takes no CPU (``num_cpus=0``), so it schedules on any cluster, and runs
+    one call at a time. Build it through :meth:`RayMemoryStore.start`.
+    """
+
+    def __init__(self) -> None:
+        self._store = MemoryStore()
+
+    def ready(self) -> bool:
+        """True once the actor is constructed (a call that waits for it)."""
+        return True
+
+    def put(
+        self,
+        keys: Keys,
+        partition_id: str,
+        fields: TensorDict,
+        *,
+        tags: Tags | None = None,
+        sequence_lengths: SeqLens | None = None,
+    ) -> KVBatchMeta:
+        """See :meth:`adapters.memory.MemoryStore.put`."""
+        return self._store.put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+
+    def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
+        """See :meth:`adapters.memory.MemoryStore.get`."""
+        return self._store.get(keys, partition_id, select_fields)
+
+    def clear(self, keys: Keys, partition_id: str) -> None:
+        """See :meth:`adapters.memory.MemoryStore.clear`."""
+        self._store.clear(keys, partition_id)
+
+    def list_keys(self, partition_id: str) -> tuple[str, ...]:
+        """See :meth:`adapters.memory.MemoryStore.list_keys`."""
+        return self._store.list_keys(partition_id)
+
+    def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta:
+        """See :meth:`adapters.memory.MemoryStore.describe`."""
+        return self._store.describe(keys, partition_id)
+
+
+def is_running(name: str) -> bool:
+    """Whether a store actor named ``name`` is registered in :data:`NAMESPACE` (False without Ray).
+
+    Never starts Ray.
+
+    Raises:
+        TypeError: ``name`` is not a str.
+    """
+    _check_name(name)
+    if not ray.is_initialized():
+        return False
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
+class RayMemoryStore:
+    """A :class:`shell.dataplane.DataPlaneClient` over a :class:`MemoryStoreActor`; thread-safe.
+
+    Build one with :meth:`start` (creates and owns the actor) or :meth:`attach`
+    (joins it by name); the constructor only records the handle and ownership.
+    Pickling a client gives a non-owning client of the same actor (as :meth:`attach`).
+
+    Args:
+        name: the actor's name in :data:`NAMESPACE`.
+        handle: the actor.
+        owns_actor: ``close()`` kills the actor.
+
+    Example:
+        >>> store = RayMemoryStore.start()  # doctest: +SKIP
+        >>> make_client = functools.partial(RayMemoryStore.attach, store.name)  # doctest: +SKIP
+        >>> # in a worker: client = make_client(); client.get(keys, "train", ["input_ids"])
+        >>> store.close()  # kills the actor  # doctest: +SKIP
+    """
+
+    def __init__(self, name: str, handle: ActorHandle, *, owns_actor: bool = False) -> None:
+        self._name = _check_name(name)
+        self._handle = handle
+        self._owns_actor = owns_actor
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        role = "owner" if self._owns_actor else "attached"
+        return f"RayMemoryStore({self._name!r}, {role}{', closed' if self._closed else ''})"
+
+    def __reduce__(self) -> tuple[Callable[[str], RayMemoryStore], tuple[str]]:
+        return (RayMemoryStore.attach, (self._name,))
+
+    @classmethod
+    def start(cls, name: str | None = None) -> RayMemoryStore:
+        """Create a store actor named ``name`` on this process's Ray cluster and own it.
+
+        The actor lives until the returned client is closed or this process exits.
+
+        Args:
+            name: the actor's name in :data:`NAMESPACE`; a fresh unique one when None.
+
+        Raises:
+            TypeError: ``name`` is not a str.
+            ValueError: ``name`` is empty, or an actor of that name already exists (use :meth:`attach`).
+            RuntimeError: Ray is not initialised in this process.
+        """
+        name = f"ray-memory-store-{uuid.uuid4().hex}" if name is None else _check_name(name)
+        _check_ray("start")
+        if is_running(name):
+            raise ValueError(
+                f"'name' must be unused: a store actor {name!r} already runs in namespace {NAMESPACE!r}; "
+                f"join it with RayMemoryStore.attach({name!r})"
+            )
+        handle = MemoryStoreActor.options(name=name, namespace=NAMESPACE).remote()  # type: ignore[attr-defined]
+        try:
+            ray.get(handle.ready.remote())
+        except BaseException:
+            ray.kill(handle)
+            raise
+        return cls(name, handle, owns_actor=True)
+
+    @classmethod
+    def attach(cls, name: str) -> RayMemoryStore:
+        """Join the store actor named ``name``; closing the client leaves the actor running.
+
+        Works from the process that started it, another driver of the cluster,
+        or any Ray actor or task.
+
+        Raises:
+            TypeError: ``name`` is not a str.
+            ValueError: ``name`` is empty, or no store actor of that name runs.
+            RuntimeError: Ray is not initialised in this process.
+        """
+        _check_name(name)
+        _check_ray(f"attach({name!r})")
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            raise ValueError(
+                f"'name' must name a running store actor in namespace {NAMESPACE!r}: got {name!r}, which does not "
+                f"exist (never started, or its owner closed it); start one with RayMemoryStore.start({name!r})"
+            ) from None
+        return cls(name, handle)
+
+    @property
+    def name(self) -> str:
+        """The actor's name: ``RayMemoryStore.attach(store.name)`` joins it."""
+        return self._name
+
+    @property
+    def owns_actor(self) -> bool:
+        """Whether ``close()`` kills the actor."""
+        return self._owns_actor
+
+    def put(
+        self,
+        keys: Keys,
+        partition_id: str,
+        fields: TensorDict,
+        *,
+        tags: Tags | None = None,
+        sequence_lengths: SeqLens | None = None,
+    ) -> KVBatchMeta:
+        """Write ``fields`` under ``keys``; see :meth:`adapters.memory.MemoryStore.put`.
+
+        Arguments and every column are checked here before anything is sent.
+
+        Returns:
+            The receipt of :func:`shell.dataplane.validate_put`.
+
+        Raises:
+            RuntimeError: the client is closed, or the actor is gone.
+            TypeError: ``fields`` is not a TensorDict, or a column is of an
+                unsupported kind (see :func:`adapters.rows.column_spec`).
+            ValueError: keys repeat or are empty; the batch size differs from
+                the key count; tags or lengths are not 1:1 with keys.
+        """
+        self._check_open()
+        receipt = validate_put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+        for column, value in read_columns_of(fields).items():
+            column_spec(column, value, len(receipt))
+        return self._call(
+            self._handle.put.remote(
+                receipt.keys,
+                receipt.partition_id,
+                fields.detach(),
+                tags=receipt.tags,
+                sequence_lengths=receipt.sequence_lengths,
+            )
+        )
+
+    def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
+        """Read ``select_fields`` of ``keys``, in request order; see :meth:`adapters.memory.MemoryStore.get`.
+
+        Raises:
+            RuntimeError: the client is closed, or the actor is gone.
+            TypeError: ``select_fields`` is a single string.
+            ValueError: keys repeat or are empty; no field is selected; a field
+                was put with different layouts for the requested keys.
+            KeyError: some keys are not stored; a selected field is missing for some keys.
+        """
+        self._check_open()
+        keys, names = validate_get(keys, partition_id, select_fields)
+        return self._call(self._handle.get.remote(keys, partition_id, names))
+
+    def clear(self, keys: Keys, partition_id: str) -> None:
+        """Remove ``keys`` from ``partition_id``, exactly and atomically; see :meth:`adapters.memory.MemoryStore.clear`.
+
+        Raises:
+            RuntimeError: the client is closed, or the actor is gone.
+            TypeError: ``keys`` is a single string.
+            ValueError: keys repeat or are empty strings.
+            KeyError: some keys are not stored in ``partition_id``.
+        """
+        self._check_open()
+        self._call(self._handle.clear.remote(keys, partition_id))
+
+    def list_keys(self, partition_id: str) -> tuple[str, ...]:
+        """The keys stored in ``partition_id``, in first-put order (empty if unknown).
+
+        Raises:
+            RuntimeError: the client is closed, or the actor is gone.
+            TypeError: ``partition_id`` is not a str.
+        """
+        self._check_open()
+        return self._call(self._handle.list_keys.remote(partition_id))
+
+    def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta:
+        """What is stored for ``keys``; see :meth:`adapters.memory.MemoryStore.describe`.
+
+        Raises:
+            RuntimeError: the client is closed, or the actor is gone.
+            ValueError: keys repeat or are empty.
+            KeyError: some keys are not stored.
+        """
+        self._check_open()
+        return self._call(self._handle.describe.remote(keys, partition_id))
+
+    def close(self) -> None:
+        """Mark the client closed; the owner also kills the actor (its data is gone). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._owns_actor:
+            ray.kill(self._handle)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"RayMemoryStore {self._name!r} is closed: attach a new client, "
+                f"e.g. store = RayMemoryStore.attach({self._name!r}) (if its owner has not closed it)"
+            )
+
+    def _call(self, ref: ray.ObjectRef) -> Any:
+        """The result of a remote call; the actor's own exception (type and message kept) if it raised."""
+        try:
+            return ray.get(ref)
+        except RayTaskError as e:
+            if isinstance(e.cause, Exception):
+                raise e.cause from e
+            raise
+        except RayActorError as e:
+            raise RuntimeError(
+                f"RayMemoryStore {self._name!r} is gone (its owner closed it, or its process died): {e}"
+            ) from e
+
+
+def _check_name(name: Any) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"'name' must be a str (the store actor's name): got {type(name).__name__}")
+    if not name:
+        raise ValueError("'name' must be a non-empty str: got ''")
+    return name
+
+
+def _check_ray(call: str) -> None:
+    if not ray.is_initialized():
+        raise RuntimeError(
+            f"Ray is not initialised in this process: connect to the cluster first, e.g. ray.init(address='auto'), "
+            f"then call RayMemoryStore.{call}"
+        )

@@ -1,0 +1,221 @@
+"""The rollout engine: a one-rank Ray worker that samples responses with the current policy weights.
+
+``RolloutWorker`` holds a megatron tiny GPT (TP = PP = 1) whose weights the
+policy workers push after every train step (``PolicyWorker.push_weights``).
+For each prompt it samples ``num_generations`` responses at the configured
+temperature, scores them with the task, and then either
+
+* data plane: does the step's single bulk write (:func:`shell.column_io.first_write`)
+  under keys ``f"{uid}_g{i}"`` and returns only the receipt and the carry; or
+* legacy: returns the bulk batch itself, which then travels through the driver.
+
+Invariant: for the same weights, prompts, seed, step and batch index, both
+modes build the same rows (same tokens, masks, lengths and rewards): the
+sampling generator is seeded from ``(seed, step, batch_index)`` alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from tensordict import TensorDict
+
+from adapters.megatron import MegatronGPTBackend, TinyGPTConfig
+from adapters.rows import build_tensordict
+from core.meta import KVBatchMeta
+from core.rollout_carry import RolloutCarry
+from core.task import EOS_ID, Prompt, Task
+from shell.column_io import first_write
+from shell.dataplane import DataPlaneClient
+from shell.loss import TOKEN_MASK
+from shell.policy_worker import INPUT_IDS, LENGTHS, client_io
+from shell.worker_group import Worker
+
+ClientFactory = Callable[[], DataPlaneClient]
+ROLLOUT_TOKEN_FIELDS: tuple[str, ...] = (INPUT_IDS, TOKEN_MASK)
+_SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def sampling_seed(seed: int, step: int, batch_index: int) -> int:
+    """A 63-bit generator seed that depends on ``(seed, step, batch_index)`` only (no Python ``hash``)."""
+    mixed = 0
+    for value, factor in zip((seed, step, batch_index), _SEED_MIX):
+        mixed = (mixed ^ (value * factor)) * 0xD6E8FEB86659FD93 % 2**64
+    return mixed % 2**63
+
+
+def row_keys(uid: str, num_generations: int) -> tuple[str, ...]:
+    """The store keys of one prompt instance's responses: ``f"{uid}_g{i}"``."""
+    return tuple(f"{uid}_g{i}" for i in range(num_generations))
+
+
+@attrs.frozen
+class RolloutConfig:
+    """What the rollout engine is built from.
+
+    Args:
+        model: the tiny GPT's shape (the policy's).
+        seed: the run's seed (initial weights and sampling streams).
+        task: the task that supplies prompt tokens and rewards (picklable).
+        temperature: the sampling temperature (> 0).
+        torch_threads: intra-op threads of the engine.
+    """
+
+    model: TinyGPTConfig = attrs.field(validator=attrs.validators.instance_of(TinyGPTConfig))
+    seed: int = attrs.field(validator=attrs.validators.instance_of(int))
+    task: Any = attrs.field()
+    temperature: float = 1.0
+    torch_threads: int = 1
+
+    @task.validator
+    def _check_task(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, Task):
+            raise TypeError(f"'task' must implement core.task.Task: got {type(value).__name__}")
+
+
+@attrs.frozen
+class RolloutResult:
+    """One generation batch: the carry, plus the receipt (data plane) or the bulk batch (legacy).
+
+    Attributes:
+        carry: per-row rewards, lengths, groups, question ids and truncation flags.
+        meta: the receipt of the bulk write (data plane), else None.
+        batch: ``input_ids`` [N, S], ``token_mask`` [N, S], ``lengths`` [N] (legacy), else None.
+        data_plane: the engine's store activity (``{"ms", "bytes"}``).
+        responses: the decoded response text of the first rows (for logging samples).
+    """
+
+    carry: RolloutCarry
+    meta: KVBatchMeta | None
+    batch: TensorDict | None
+    data_plane: Mapping[str, float]
+    responses: tuple[str, ...]
+
+
+class RolloutWorker(Worker):
+    """The rollout engine (see the module docstring); call ``setup`` once after the group starts."""
+
+    def __init__(self, config: RolloutConfig, client_factory: ClientFactory | None = None) -> None:
+        if not isinstance(config, RolloutConfig):
+            raise TypeError(f"'config' must be a RolloutConfig: got {type(config).__name__}")
+        self.config = config
+        self._client_factory = client_factory
+        self._client: DataPlaneClient | None = None
+        self._backend: MegatronGPTBackend | None = None
+
+    def setup(self) -> None:
+        """Build the engine's model (the seed's initial weights) and, for the data plane, open the store client."""
+        torch.set_num_threads(self.config.torch_threads)
+        self._backend = MegatronGPTBackend(
+            self.config.model, tensor_parallel=1, pipeline_parallel=1, seed=self.config.seed
+        )
+        if self._client_factory is not None:
+            self._client = self._client_factory()
+
+    @property
+    def backend(self) -> MegatronGPTBackend:
+        """The engine's model.
+
+        Raises:
+            RuntimeError: ``setup`` has not run.
+        """
+        if self._backend is None:
+            raise RuntimeError("the rollout engine is not built; call group.run_all('setup') first")
+        return self._backend
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Refit: load the policy's full weights."""
+        self.backend.load_state_dict(state)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The engine's full weights (to check a refit)."""
+        return self.backend.state_dict()
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        step: int,
+        batch_index: int,
+        num_generations: int,
+        partition_id: str | None,
+        num_texts: int = 0,
+        key_prefix: str = "",
+    ) -> RolloutResult:
+        """Sample ``num_generations`` responses per prompt, score them, and write or return the batch.
+
+        Rows are prompt-major: row ``j * num_generations + i`` is response
+        ``i`` of prompt ``j``, keyed ``f"{uid}_g{i}"`` with
+        ``uid = f"{key_prefix}s{step}b{batch_index}p{j}"``.
+
+        Args:
+            prompts: the batch's prompts.
+            step: the GRPO step (keys and the sampling seed).
+            batch_index: the generation batch within the step (DAPO may take several).
+            num_generations: responses per prompt (>= 1).
+            partition_id: the store partition to write (data plane); None returns the batch (legacy).
+            num_texts: decode the responses of the first ``num_texts`` rows (for logging).
+            key_prefix: put before every key (e.g. a run id, so runs sharing a partition never collide).
+
+        Raises:
+            ValueError: no prompts, ``num_generations`` < 1, or a data-plane write without a client.
+        """
+        task: Task = self.config.task
+        if not prompts:
+            raise ValueError("'prompts' must hold at least one prompt: got 0")
+        if num_generations < 1:
+            raise ValueError(f"'num_generations' must be >= 1: got {num_generations}")
+        if partition_id is not None and self._client is None:
+            raise ValueError("a data-plane rollout needs a store client: build the worker with a client_factory")
+        encoded = [task.prompt_ids(p) for p in prompts for _ in range(num_generations)]
+        width = max(len(ids) for ids in encoded)
+        prompt_ids = torch.zeros(len(encoded), width, dtype=torch.long)
+        for row, ids in enumerate(encoded):
+            prompt_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        prompt_lengths = torch.tensor([len(ids) for ids in encoded], dtype=torch.long)
+        generator = torch.Generator().manual_seed(sampling_seed(self.config.seed, step, batch_index))
+        sequences, lengths = self.backend.generate(
+            prompt_ids,
+            prompt_lengths,
+            max_new_tokens=task.max_new_tokens,
+            eos_id=EOS_ID,
+            generator=generator,
+            temperature=self.config.temperature,
+            vocab_limit=task.tokenizer.vocab_size,
+        )
+        responses = [sequences[r, int(prompt_lengths[r]) : int(lengths[r])].tolist() for r in range(len(encoded))]
+        row_prompts = [p for p in prompts for _ in range(num_generations)]
+        rewards = task.rewards(row_prompts, responses)
+        positions = torch.arange(sequences.shape[1])
+        token_mask = (positions >= prompt_lengths[:, None]) & (positions < lengths[:, None])
+        carry = RolloutCarry(
+            rewards=rewards,
+            lengths=lengths.tolist(),
+            group_ids=[(batch_index * len(prompts) + j) for j in range(len(prompts)) for _ in range(num_generations)],
+            prompt_ids=[p.prompt_id for p in row_prompts],
+            truncated=[not r or r[-1] != EOS_ID for r in responses],
+        )
+        text = tuple(task.tokenizer.decode(r) for r in responses[:num_texts])
+        columns = {INPUT_IDS: sequences, TOKEN_MASK: token_mask}
+        if partition_id is None:
+            batch = build_tensordict({**columns, LENGTHS: lengths}, len(encoded))
+            return RolloutResult(carry, None, batch, {"ms": 0.0, "bytes": 0.0}, text)
+        keys = [key for j in range(len(prompts)) for key in row_keys(f"{key_prefix}s{step}b{batch_index}p{j}", num_generations)]
+        meta = first_write(
+            self._client,  # type: ignore[arg-type]
+            columns,
+            keys=keys,
+            partition_id=partition_id,
+            lengths=lengths.tolist(),
+            token_fields=ROLLOUT_TOKEN_FIELDS,
+        )
+        return RolloutResult(carry, meta, None, client_io(self._client), text)
+
+    def close_client(self) -> None:
+        """Close the store client (a no-op without one)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None

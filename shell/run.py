@@ -1,0 +1,212 @@
+"""``python -m shell.run``: GRPO end to end on Ray, with progress, metrics, a plot and checkpoints.
+
+Usage::
+
+    python -m shell.run [--config FILE] [--resume RUN_DIR] [key=value ...]
+
+With no arguments it starts an embedded Ray cluster, TransferQueue, the
+megatron policy workers (CPU) and the rollout engine, trains the tiny GPT on
+the addition task, and leaves in ``run.dir`` (default ``runs/<timestamp>/``):
+``config.yaml``, ``metrics.jsonl`` (one record per step), ``samples.jsonl``,
+``reward.png`` and ``checkpoint.pt``. ``--help`` lists every config key.
+
+Exit status: 0 when the run finishes, 1 when a step fails (the message names
+the step and, for a worker, its rank), 2 for a bad command line or config
+(rejected before anything starts), 130 after Ctrl-C. On every exit the run
+clears its store keys and stops what it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.markup import escape
+
+from shell.run_config import ConfigError, ProgressMode, describe_keys, load_run_config
+from shell.run_log import MetricsLog, RunProgress, plot_run, read_metrics
+
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+PLOT_FILE = "reward.png"
+PROCESSES_FILE = "processes.json"
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+def _help_epilog() -> str:
+    rows = list(describe_keys())
+    width = max(len(k) + len(v) for k, v, _ in rows) + 3
+    lines = ["config keys (override with key=value; defaults from shell/grpo.yaml):"]
+    lines += [f"  {f'{k}={v}':<{width}} {c}" for k, v, c in rows]
+    lines += [
+        "",
+        "examples:",
+        "  python -m shell.run                                    # the default run (about 3 minutes on 2 CPUs)",
+        "  python -m shell.run data_plane.enabled=false           # the legacy path, same results",
+        "  python -m shell.run policy.layout.tensor_parallel=2    # TP=2 policy workers",
+        "  python -m shell.run ray.address=auto                   # join a running Ray cluster",
+        "  python -m shell.run --resume runs/20261121-101500 grpo.num_steps=80",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line: options and ``key=value`` overrides."""
+    parser = argparse.ArgumentParser(
+        prog="python -m shell.run",
+        description="GRPO on Ray with a data plane for the rollout batches (see README.md).",
+        epilog=_help_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="a YAML file replacing shell/grpo.yaml")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue from RUN_DIR/checkpoint.pt, appending to its metrics")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (see below)")
+    return parser.parse_args(list(argv))
+
+
+def _run_dir(config: DictConfig, resume: str | None) -> Path:
+    if config.run.dir is not None:
+        return Path(str(config.run.dir))
+    if resume is not None:
+        path = Path(resume)
+        return path.parent if path.is_file() else path
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+class _Interrupted(Exception):
+    """SIGTERM, turned into a clean shutdown like Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise _Interrupted(f"signal {signum}")
+
+
+def _write_processes(trainer: Any, path: Path) -> None:
+    policy = trainer.policy.group if trainer.policy is not None else None
+    rollout = trainer.rollout
+    info: dict[str, Any] = {"driver": os.getpid()}
+    if policy is not None:
+        info["policy"] = {str(rank): pid for rank, pid in enumerate(policy.run_all("process_id"))}
+    if rollout is not None:
+        info["rollout"] = rollout.run_all("process_id")[0]
+    path.write_text(json.dumps(info, indent=1) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run GRPO as the command line says; returns the exit status."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    console = Console(stderr=True)
+    # megatron warns at import that optional fused kernels are absent; the local fallbacks are what we use.
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed", category=UserWarning)
+    from shell.grpo_trainer import GRPOTrainer, StepError, load_checkpoint  # heavy (megatron): after --help
+    from shell.worker_group import WorkerError
+
+    checkpoint = None
+    try:
+        config = load_run_config(args.overrides, config_file=args.config)
+        if args.resume is not None:
+            checkpoint = load_checkpoint(args.resume)
+        trainer = GRPOTrainer(config)
+    except (ConfigError, FileNotFoundError, ValueError) as error:
+        console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
+        return EXIT_USAGE
+    run_dir = _run_dir(config, args.resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(config, run_dir / "config.yaml")
+    first = 1 if checkpoint is None else int(checkpoint["step"]) + 1
+    total = int(config.grpo.num_steps)
+    mode = config.run.progress
+    path = "data plane (" + config.data_plane.backend.value + ")" if config.data_plane.enabled else "legacy"
+    console.print(f"GRPO: {total} steps, {path}, output in {escape(str(run_dir))}", highlight=False)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    step = first - 1
+    status = 0
+    try:
+        trainer.start(on_status=lambda message: console.print(f"  {message}", highlight=False))
+        _quiet_transfer_queue()
+        _write_processes(trainer, run_dir / PROCESSES_FILE)
+        if checkpoint is not None:
+            trainer.load_policy_state(checkpoint["weights"])
+            console.print(f"  resumed from step {checkpoint['step']}", highlight=False)
+        progress: Any = contextlib.nullcontext()
+        if mode != ProgressMode.off:
+            progress = RunProgress(
+                total=total,
+                start=min(first - 1, total),
+                plain=None if mode == ProgressMode.auto else mode == ProgressMode.plain,
+            )
+        every = int(config.run.checkpoint_every)
+        with MetricsLog(run_dir / METRICS_FILE, drop_after=first - 1) as log, progress, open(
+            run_dir / SAMPLES_FILE, "a", encoding="utf-8"
+        ) as samples:
+            for step in range(first, total + 1):
+                record = trainer.step(step)
+                for sample in record.pop("samples"):
+                    samples.write(json.dumps({"step": step, **sample}) + "\n")
+                samples.flush()
+                written = log.write(record)
+                if mode != ProgressMode.off:
+                    progress.advance(written)
+                if every and step % every == 0 and step < total:
+                    trainer.save_checkpoint(run_dir, step)
+        if total >= first:
+            trainer.save_checkpoint(run_dir, total)
+        console.print(f"done: {total} steps; checkpoint {escape(str(run_dir / 'checkpoint.pt'))}", highlight=False)
+    except (KeyboardInterrupt, _Interrupted):
+        console.print(f"[yellow]interrupted[/] during step {step}: shutting down cleanly", highlight=False)
+        status = EXIT_INTERRUPTED
+    except (WorkerError, StepError) as error:
+        console.print(f"[bold red]run failed[/] at step {step}: {escape(_summary(error))}", highlight=False)
+        status = EXIT_FAILED
+    except ConfigError as error:
+        console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
+        status = EXIT_USAGE
+    finally:
+        try:
+            trainer.close()
+        except Exception as error:  # report, but the run's own outcome decides the status
+            console.print(f"[yellow]warning:[/] shutdown: {escape(str(error))}", highlight=False)
+            status = status or EXIT_FAILED
+        signal.signal(signal.SIGTERM, previous)
+    _plot(run_dir, console)
+    return status
+
+
+def _quiet_transfer_queue() -> None:
+    """TransferQueue's client warns on every call that it caps its threads at the core count: keep errors only."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("transfer_queue"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _summary(error: BaseException) -> str:
+    """The first line of an error (a worker's remote traceback stays out of the console)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _plot(run_dir: Path, console: Console) -> None:
+    metrics = run_dir / METRICS_FILE
+    if not metrics.exists():
+        return
+    records = read_metrics(metrics)
+    if records:
+        out = plot_run(records, run_dir / PLOT_FILE, title=f"GRPO {run_dir.name}")
+        console.print(f"plot: {escape(str(out))}", highlight=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

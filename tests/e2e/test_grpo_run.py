@@ -1,0 +1,192 @@
+"""``python -m shell.run`` end to end on the session's Ray cluster: both paths, parity, no leak, files, resume, faults.
+
+The runs call ``shell.run.main`` in this process: Ray is already up (the
+session fixture), so the run joins it and the session's TransferQueue instead
+of starting its own, and leaves both running.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from adapters.transfer_queue import TransferQueueStore
+from shell import run as shell_run
+from shell.grpo_trainer import GRPOTrainer, StepError, load_checkpoint
+from shell.run_config import load_run_config
+from shell.run_log import read_metrics
+from shell.worker_group import WorkerError
+from tests.e2e.grpo_faults import FAULT_MESSAGE, RaisingLoss
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 5
+SMALL = [
+    f"grpo.num_steps={STEPS}",
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "policy.layout.data_parallel=2",
+    "policy.micro_batch_tokens=64",
+    "grpo.loss.kl_coef=0.05",
+    "policy.train_global_batch_size=8",
+    "run.progress=plain",
+]
+REQUIRED_KEYS = (
+    "step", "reward_mean", "loss", "kl", "grad_norm", "step_time_s", "data_plane_ms", "data_plane_bytes",
+    "driver_bytes", "store_keys_outstanding",
+)
+PARITY_KEYS = ("reward_mean", "loss", "kl", "grad_norm")
+
+
+def _run(args: list[str]) -> int:
+    return shell_run.main(args)
+
+
+@pytest.fixture(scope="module")
+def partition() -> str:
+    return f"grpo-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tq_store_session: TransferQueueStore, tmp_path_factory: pytest.TempPathFactory, partition: str) -> dict[str, Any]:
+    """A 5-step run of each path (same seed and config), on the session's Ray and TransferQueue."""
+    out: dict[str, Any] = {}
+    for name, enabled in (("legacy", "false"), ("data_plane", "true")):
+        run_dir = tmp_path_factory.mktemp(name)
+        status = _run([*SMALL, f"run.dir={run_dir}", f"data_plane.enabled={enabled}", f"data_plane.partition={partition}"])
+        out[name] = {"status": status, "dir": run_dir, "records": read_metrics(run_dir / "metrics.jsonl")}
+    return out
+
+
+def test_run_both_paths_finish(runs: dict[str, Any]) -> None:
+    """Both paths exit 0 and log one record per step, 1..num_steps."""
+    for name, run in runs.items():
+        assert run["status"] == 0, name
+        assert [r["step"] for r in run["records"]] == list(range(1, STEPS + 1)), name
+
+
+def test_run_paths_agree_bitwise(runs: dict[str, Any]) -> None:
+    """Same seed and config: per-step rewards, losses, KL and grad norms are bitwise equal on both paths."""
+    legacy, plane = runs["legacy"]["records"], runs["data_plane"]["records"]
+    for a, b in zip(legacy, plane):
+        assert {k: a[k] for k in PARITY_KEYS} == {k: b[k] for k in PARITY_KEYS}, f"step {a['step']}"
+    assert any(r["grad_norm"] > 0 for r in plane), "the runs must actually train"
+    assert any(r["kl"] != 0 for r in plane[1:]), "the reference pass must run (kl_coef > 0)"
+
+
+def test_run_data_plane_leaves_no_keys(runs: dict[str, Any], partition: str) -> None:
+    """After every step the store holds none of the run's keys."""
+    assert [r["store_keys_outstanding"] for r in runs["data_plane"]["records"]] == [0] * STEPS
+    store = TransferQueueStore.attach()
+    try:
+        assert store.list_keys(partition) == ()
+    finally:
+        store.close()
+
+
+def test_run_data_plane_moves_bulk_off_the_driver(runs: dict[str, Any]) -> None:
+    """Per step the driver moves at most 10% of the legacy path's bytes, and the store carries the bulk."""
+    for a, b in zip(runs["legacy"]["records"], runs["data_plane"]["records"]):
+        assert b["driver_bytes"] <= 0.10 * a["driver_bytes"], f"step {a['step']}: {b['driver_bytes']} vs {a['driver_bytes']}"
+        assert b["data_plane_bytes"] > a["driver_bytes"] / 2  # the rows went through the store instead
+        assert a["data_plane_bytes"] == 0 and a["data_plane_ms"] == 0
+
+
+def test_run_writes_metrics_plot_samples_and_checkpoint(runs: dict[str, Any]) -> None:
+    """Each run leaves metrics with the required keys and phases, a PNG plot, samples, a checkpoint and its config."""
+    for name, run in runs.items():
+        run_dir: Path = run["dir"]
+        for record in run["records"]:
+            missing = [k for k in REQUIRED_KEYS if k not in record]
+            assert not missing, f"{name} step {record['step']}: missing {missing}"
+            phases = [k for k in record if k.startswith("phase_")]
+            assert {"phase_rollout_s", "phase_logprobs_s", "phase_train_s", "phase_refit_s"} <= set(phases)
+            assert sum(record[k] for k in phases) <= record["step_time_s"] + 1e-6
+        assert (run_dir / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+        assert {s["step"] for s in samples} == set(range(1, STEPS + 1))
+        checkpoint = load_checkpoint(run_dir)
+        assert checkpoint["step"] == STEPS and checkpoint["weights"]
+        assert load_run_config(config_file=run_dir / "config.yaml").grpo.num_steps == STEPS
+
+
+def test_run_resume_continues_from_checkpoint(runs: dict[str, Any], tmp_path: Path, partition: str) -> None:
+    """``--resume`` appends steps num_steps+1.. to the same metrics file, starting from the saved weights."""
+    run_dir = tmp_path / "resumed"
+    source = runs["data_plane"]["dir"]
+    run_dir.mkdir()
+    for name in ("metrics.jsonl", "checkpoint.pt"):
+        (run_dir / name).write_bytes((source / name).read_bytes())
+    status = _run([*SMALL, f"grpo.num_steps={STEPS + 2}", f"data_plane.partition={partition}", "--resume", str(run_dir)])
+    assert status == 0
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 3))
+    assert load_checkpoint(run_dir)["step"] == STEPS + 2
+
+
+def test_run_rejects_bad_config_before_starting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown key or an impossible value exits 2 naming the key, and creates no run folder."""
+    for override, key in (("grpo.nope=1", "grpo.nope"), ("policy.layout.tensor_parallel=3", "policy.layout.tensor_parallel")):
+        assert _run([override, f"run.dir={tmp_path / 'never'}"]) == 2
+        assert key in capsys.readouterr().err
+        assert not (tmp_path / "never").exists()
+
+
+def test_run_rollout_failure_ends_run_and_clears_store(tmp_path: Path, partition: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A reward that raises in the rollout engine at step 2 exits 1 naming the step and the call; no key stays."""
+    status = _run([
+        *SMALL, f"run.dir={tmp_path}", f"data_plane.partition={partition}",
+        "task.name=tests.e2e.grpo_faults:RewardFailsOnCall", "task.kwargs.fail_on_call=2",
+    ])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "step 2" in err and "generate" in err and FAULT_MESSAGE in err
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+    store = TransferQueueStore.attach()
+    try:
+        assert store.list_keys(partition) == ()
+    finally:
+        store.close()
+
+
+def test_trainer_worker_failure_mid_step_clears_store(tq_store_session: TransferQueueStore, partition: str) -> None:
+    """A loss that raises in the policy workers (after the rollout wrote and logprobs wrote back) raises
+    WorkerError naming a rank, and the step's keys are cleared."""
+    config = load_run_config([*SMALL, f"data_plane.partition={partition}"])
+    with GRPOTrainer(config) as trainer:
+        trainer.loss = RaisingLoss(sample_mask=True)
+        with pytest.raises(WorkerError, match=rf"rank \d .*{FAULT_MESSAGE}"):
+            trainer.step(1)
+        assert trainer.client is not None
+        assert trainer.client.list_keys(partition) == ()
+
+
+def test_trainer_refit_keeps_rollout_in_sync(tq_store_session: TransferQueueStore, partition: str) -> None:
+    """After a step, the rollout engine's weights equal the policy's (the refit reached it)."""
+    config = load_run_config([*SMALL, f"data_plane.partition={partition}", "policy.layout.data_parallel=1"])
+    with GRPOTrainer(config) as trainer:
+        trainer.step(1)
+        policy = trainer.policy_state()
+        (rollout,) = trainer.rollout.run_all("weights")  # type: ignore[union-attr]
+        assert policy.keys() == rollout.keys()
+        assert all(torch.equal(policy[k], rollout[k]) for k in policy)
+
+
+def test_trainer_dapo_past_its_batch_limit_raises_and_clears_store(
+    tq_store_session: TransferQueueStore, partition: str
+) -> None:
+    """DAPO that cannot fill the step within max_generation_batches raises StepError naming the limit's key,
+    and the kept rows' keys are cleared."""
+    config = load_run_config([
+        *SMALL, f"data_plane.partition={partition}", "policy.layout.data_parallel=1",
+        "grpo.dapo.enabled=true", "grpo.dapo.max_generation_batches=1",
+    ])
+    with GRPOTrainer(config) as trainer:
+        with pytest.raises(StepError, match=r"step 1: DAPO .* grpo\.dapo\.max_generation_batches"):
+            trainer.step(1)
+        assert trainer.client is not None and trainer.client.list_keys(partition) == ()

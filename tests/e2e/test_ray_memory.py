@@ -1,0 +1,306 @@
+"""``RayMemoryStore`` beyond the shared contract: a second process, ownership, start/attach misuse, error types.
+
+The contract itself (``test_store_contract.py``, ``test_store_roundtrip.py``)
+runs against this adapter through the ``store`` fixture (``ray_memory``). Here:
+a Ray actor that attaches through a pickled factory reads what the driver wrote
+and writes back; only the owner's close kills the actor; start and attach
+reject bad names; and every error keeps the type and message ``MemoryStore``
+gives it. Ray starts once per session (``conftest.py``); the check that needs a
+process without Ray runs in one cheap subprocess that never starts Ray.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+import torch
+from ray.exceptions import RayTaskError
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+from adapters.memory import MemoryStore
+from adapters.ray_memory import RayMemoryStore, is_running
+from adapters.rows import columns_equal
+from core.codec import jagged_lengths, to_jagged
+from shell.dataplane import DataPlaneClient
+from tests.e2e.conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+
+_NO_RAY_SCRIPT = """
+import json
+import ray
+from adapters.ray_memory import RayMemoryStore, is_running
+report = {"running": is_running("any")}
+for call, args in (("start", ()), ("attach", ("any",))):
+    try:
+        getattr(RayMemoryStore, call)(*args)
+    except RuntimeError as e:
+        report[call] = str(e)
+report["ray_initialized"] = ray.is_initialized()
+print(json.dumps(report))
+"""
+
+
+def _batch(n: int, lengths: list[int]) -> TensorDict:
+    """Fields of every kind a trainer sends: jagged ids and bf16 logprobs, (N,), (N,1), (N,S), objects, texts."""
+    g = torch.Generator().manual_seed(n)
+    td = TensorDict(
+        {
+            "input_ids": to_jagged(torch.randint(0, 1000, (n, max(lengths)), generator=g), lengths),
+            "logprobs": to_jagged(torch.randn(n, max(lengths), generator=g).to(torch.bfloat16), lengths),
+            "reward": torch.randn(n, generator=g, dtype=torch.float64),
+            "mask": torch.rand(n, 1, generator=g) > 0.5,
+            "hidden": torch.randn(n, 4, generator=g).to(torch.float16),
+        },
+        batch_size=[n],
+    )
+    td["meta"] = np.array([{"uid": i, "turns": (i, i + 1), "seen": {i}} for i in range(n)], dtype=object)
+    td["texts"] = NonTensorStack(*(f"prompt {i}" for i in range(n)))
+    return td
+
+
+def _wait_until_gone(name: str, timeout_s: float = 10.0) -> bool:
+    """Whether the actor ``name`` is unregistered within ``timeout_s`` (``ray.kill`` completes asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while is_running(name) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not is_running(name)
+
+
+@ray.remote
+class _Peer:
+    """A Ray actor (another process) that builds its client from a pickled factory, as a worker does."""
+
+    def __init__(self, make_client: Callable[[], DataPlaneClient]) -> None:
+        self._store = make_client()
+
+    def read(self, keys: list[str], partition: str, names: list[str]) -> dict[str, Any]:
+        got = self._store.get(keys, partition, names)
+        return {name: got.get(name) for name in names}
+
+    def write_scaled_logprobs(self, keys: list[str], partition: str) -> tuple[str, ...]:
+        logprobs = self._store.get(keys, partition, ["logprobs"])["logprobs"]
+        scaled = torch.nested.nested_tensor([row * 2 for row in logprobs.unbind()], layout=torch.jagged)
+        fields = TensorDict({"scaled": scaled}, batch_size=[len(keys)])
+        return self._store.put(keys, partition, fields, tags=[{"by": "actor"}] * len(keys)).fields
+
+    def missing_key_error(self, partition: str) -> tuple[str, str]:
+        try:
+            self._store.get(["never-put"], partition, ["x"])
+        except Exception as e:  # the test checks which exception arrived
+            return type(e).__name__, str(e)
+        return "", ""
+
+    def close(self) -> None:
+        self._store.close()
+        self._store.close()
+
+
+# ---------------------------------------------------------------- a second process
+
+
+def test_attach_from_an_actor_reads_the_driver_writes_and_writes_back(
+    ray_memory_session: RayMemoryStore, partition: str
+) -> None:
+    """An actor attached through a pickled factory reads bit for bit what the driver put (objects included),
+    sees the store's own errors, and the driver reads the field it writes back; its close leaves the actor running."""
+    store = RayMemoryStore.attach(ray_memory_session.name)
+    keys = ["k0", "k1", "k2", "k3"]
+    fields = _batch(4, [3, 0, 5, 2])
+    store.put(keys, partition, fields, tags=[{"uid": i} for i in range(4)])
+    peer = _Peer.remote(functools.partial(RayMemoryStore.attach, store.name))  # type: ignore[attr-defined]
+    try:
+        order = [2, 0, 3]
+        got = ray.get(peer.read.remote([keys[i] for i in order], partition, list(fields.keys())))
+        expected = store.get([keys[i] for i in order], partition, list(fields.keys()))
+        for name in fields.keys():
+            assert columns_equal(got[name], expected.get(name)), name
+        assert got["meta"].data.tolist() == [fields["meta"][i] for i in order]
+        assert isinstance(got["texts"], NonTensorStack)
+        assert got["texts"].tolist() == ["prompt 2", "prompt 0", "prompt 3"]
+        assert ray.get(peer.missing_key_error.remote(partition)) == (
+            "KeyError",
+            str(KeyError(f"1 keys are not stored in partition {partition!r}: ['never-put']")),
+        )
+        assert ray.get(peer.write_scaled_logprobs.remote(keys, partition)) == ("scaled",)
+        scaled = store.get(keys, partition, ["scaled"])["scaled"]
+        assert jagged_lengths(scaled) == (3, 0, 5, 2)
+        for row, original in zip(scaled.unbind(), fields["logprobs"].unbind()):
+            assert torch.equal(row, original * 2) and row.dtype == torch.bfloat16
+        meta = store.describe(["k1"], partition)
+        assert meta.fields == (*fields.keys(), "scaled")
+        assert meta.tags == ({"uid": 1, "by": "actor"},)
+        ray.get(peer.close.remote())
+        assert is_running(store.name), "an attached client's close must not kill the store actor"
+        assert store.list_keys(partition) == tuple(keys)
+    finally:
+        ray.kill(peer)
+        store.clear(keys, partition)
+        store.close()
+
+
+def test_pickled_client_attaches_without_owning(ray_memory_session: RayMemoryStore, partition: str) -> None:
+    """Unpickling any client (the owner too) gives an attached client of the same actor, whose close kills nothing."""
+    ray_memory_session.put(["a"], partition, TensorDict({"x": torch.arange(3).view(1, 3)}, batch_size=[1]))
+    copy = pickle.loads(pickle.dumps(ray_memory_session))
+    assert isinstance(copy, RayMemoryStore) and copy.name == ray_memory_session.name
+    assert ray_memory_session.owns_actor and not copy.owns_actor
+    assert copy.get(["a"], partition, ["x"])["x"].tolist() == [[0, 1, 2]]
+    copy.close()
+    assert is_running(ray_memory_session.name)
+    ray_memory_session.clear(["a"], partition)
+
+
+# ---------------------------------------------------------------- ownership and lifecycle
+
+
+def test_close_of_the_owner_kills_the_actor_and_attached_close_does_not(ray_cluster: None, partition: str) -> None:
+    """An attached close leaves the actor serving; the owner's close kills it: its clients raise RuntimeError
+    naming it, later calls on the owner say it is closed, and attach by name fails."""
+    owner = RayMemoryStore.start()
+    name = owner.name
+    first, second = RayMemoryStore.attach(name), RayMemoryStore.attach(name)
+    try:
+        first.put(["a"], partition, TensorDict({"x": torch.ones(1)}, batch_size=[1]))
+        first.close()
+        first.close()
+        with pytest.raises(RuntimeError, match=rf"RayMemoryStore '{name}' is closed"):
+            first.list_keys(partition)
+        assert is_running(name) and owner.list_keys(partition) == ("a",)
+        owner.close()
+        owner.close()
+        assert _wait_until_gone(name), "closing the owner must kill the store actor"
+        with pytest.raises(RuntimeError, match=rf"RayMemoryStore '{name}' is gone \(its owner closed it"):
+            second.list_keys(partition)
+        with pytest.raises(RuntimeError, match=rf"RayMemoryStore '{name}' is closed"):
+            owner.get(["a"], partition, ["x"])
+        with pytest.raises(ValueError, match=rf"'name' must name a running store actor .*got '{name}'"):
+            RayMemoryStore.attach(name)
+    finally:
+        owner.close()
+        second.close()
+
+
+def test_start_with_a_taken_name_raises_value_error(ray_memory_session: RayMemoryStore) -> None:
+    """start(name) of a running store raises ValueError pointing to attach, and leaves that store serving."""
+    name = ray_memory_session.name
+    with pytest.raises(ValueError, match=rf"'name' must be unused: .*{name!r}.*RayMemoryStore.attach\('{name}'\)"):
+        RayMemoryStore.start(name)
+    assert ray_memory_session.list_keys("unused") == ()
+
+
+def test_attach_to_a_missing_name_raises_value_error_naming_it(ray_cluster: None) -> None:
+    """attach(name) with no such actor raises ValueError naming the name; a non-str or empty name is rejected."""
+    with pytest.raises(ValueError, match=r"'name' must name a running store actor .*got 'no-such-store'"):
+        RayMemoryStore.attach("no-such-store")
+    assert not is_running("no-such-store")
+    with pytest.raises(TypeError, match=r"'name' must be a str \(the store actor's name\): got int"):
+        RayMemoryStore.attach(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'name' must be a non-empty str: got ''"):
+        RayMemoryStore.start("")
+
+
+def test_start_and_attach_without_ray_raise_runtime_error() -> None:
+    """In a process without Ray, start() and attach() raise RuntimeError showing how to connect, and start nothing."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_RAY_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["running"] is False
+    for call in ("start", "attach"):
+        assert "Ray is not initialised in this process" in report[call], call
+        assert "ray.init(address='auto')" in report[call], call
+    assert report["ray_initialized"] is False
+
+
+# ---------------------------------------------------------------- errors keep their type
+
+
+def _failing_calls(partition: str) -> dict[str, Callable[[DataPlaneClient], Any]]:
+    """Calls that fail inside the store (the actor, for RayMemoryStore) holding 'a' (x) and 'b' (x, y) from _fill."""
+    return {
+        "get-unknown-key": lambda s: s.get(["a", "zz"], partition, ["x"]),
+        "get-missing-field": lambda s: s.get(["a", "b"], partition, ["y"]),
+        "get-mixed-layouts": lambda s: s.get(["a", "b"], partition, ["x"]),
+        "clear-unknown-key": lambda s: s.clear(["zz"], partition),
+        "clear-duplicate-keys": lambda s: s.clear(["a", "a"], partition),
+        "list-keys-non-str": lambda s: s.list_keys(3),
+        "describe-unknown-key": lambda s: s.describe(["zz"], partition),
+        "describe-no-keys": lambda s: s.describe([], partition),
+    }
+
+
+def _fill(store: DataPlaneClient, partition: str) -> None:
+    store.put(["a"], partition, TensorDict({"x": torch.zeros(1, 2)}, batch_size=[1]))
+    jagged = to_jagged(torch.zeros(1, 2), [1])
+    store.put(["b"], partition, TensorDict({"x": jagged, "y": torch.ones(1)}, batch_size=[1]))
+
+
+def _error_of(call: Callable[[], Any]) -> BaseException:
+    try:
+        call()
+    except Exception as e:  # the caller compares which exception arrived
+        return e
+    raise AssertionError("the call must raise")
+
+
+def test_errors_raised_in_the_actor_keep_type_and_message(ray_memory_session: RayMemoryStore, partition: str) -> None:
+    """Every error the MemoryStore raises in the actor reaches the caller as MemoryStore raises it in process
+    (same type, same message), not as a RayTaskError; the Ray error stays attached as its cause."""
+    local = MemoryStore()
+    _fill(local, partition)
+    _fill(ray_memory_session, partition)
+    for case, call in _failing_calls(partition).items():
+        want = _error_of(functools.partial(call, local))
+        got = _error_of(functools.partial(call, ray_memory_session))
+        assert type(got) is type(want), (case, type(got), type(want))
+        assert str(got) == str(want), case
+        assert not isinstance(got, RayTaskError) and isinstance(got.__cause__, RayTaskError), case
+    ray_memory_session.clear(["a", "b"], partition)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda s, p: s.put(["n", "n"], p, TensorDict({"x": torch.zeros(2)}, batch_size=[2])), ValueError, r"unique"),
+        (
+            lambda s, p: s.put(
+                ["n", "m"], p, TensorDict({"bad": NonTensorData("batch-wide", batch_size=[2])}, batch_size=[2])
+            ),
+            TypeError,
+            r"field 'bad' must hold one value per row",
+        ),
+        (lambda s, p: s.put(["n"], p, {"x": torch.zeros(1)}), TypeError, r"'fields' must be a TensorDict"),
+        (lambda s, p: s.get(["a"], p, "x"), TypeError, r"not a single string"),
+        (lambda s, p: s.get([], p, ["x"]), ValueError, r"'keys' must name at least one row"),
+    ],
+    ids=["put-duplicate-keys", "put-unsupported-column", "put-not-a-tensordict", "get-single-string", "get-no-keys"],
+)
+def test_put_and_get_reject_bad_arguments_before_any_remote_call(
+    ray_memory_session: RayMemoryStore,
+    partition: str,
+    call: Callable[[DataPlaneClient, str], Any],
+    error: type[Exception],
+    match: str,
+) -> None:
+    """Bad put and get arguments (columns included) raise in the caller's process, with no Ray error behind them,
+    and the put writes nothing."""
+    ray_memory_session.put(["a"], partition, TensorDict({"x": torch.ones(1)}, batch_size=[1]))
+    with pytest.raises(error, match=match) as excinfo:
+        call(ray_memory_session, partition)
+    assert excinfo.value.__cause__ is None, "the error must be raised before any remote call"
+    assert ray_memory_session.list_keys(partition) == ("a",)
+    ray_memory_session.clear(["a"], partition)

@@ -1,0 +1,485 @@
+"""Laws and error paths of ``shell.phases`` and ``shell.run_log``: phase timing, the metrics file, its plot, progress."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import struct
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from rich.console import Console
+
+from shell.phases import PhaseTimer
+from shell.run_log import (
+    MetricsLog,
+    RunProgress,
+    phase_fields,
+    phase_keys,
+    phase_name,
+    plot_run,
+    read_metrics,
+)
+from tests.property.strategies import keys, reward_values
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+class FakeClock:
+    """A clock that advances by the given ticks, one per call."""
+
+    def __init__(self, *ticks: float) -> None:
+        self._ticks: Iterator[float] = iter(ticks)
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += next(self._ticks)
+        return self.now
+
+
+def _records(n: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "step": step,
+            "reward_mean": step / (n + 1),
+            "loss": -0.001 * step,
+            **phase_fields({"rollout": 1.0 + step % 3, "train": 0.5}),
+            "step_time_s": 4.0,
+        }
+        for step in range(1, n + 1)
+    ]
+
+
+def _plain_console() -> Console:
+    return Console(file=io.StringIO(), force_terminal=False, width=200)
+
+
+def _output(console: Console) -> str:
+    file = console.file
+    assert isinstance(file, io.StringIO)
+    return file.getvalue()
+
+
+# ---------------------------------------------------------------- PhaseTimer
+
+
+def test_phase_timer_accumulates_per_phase_in_first_use_order() -> None:
+    """Each phase's total is the sum of its blocks' clock deltas; keys keep first-use order."""
+    timer = PhaseTimer(clock=FakeClock(0.0, 2.0, 0.0, 0.5, 0.0, 3.0))
+    with timer.phase("train"):
+        pass
+    with timer.phase("rollout"):
+        pass
+    with timer.phase("train"):
+        pass
+    assert timer.durations() == {"train": 5.0, "rollout": 0.5}
+    assert list(timer.durations()) == ["train", "rollout"]
+
+
+def test_phase_timer_measures_wall_time_with_perf_counter() -> None:
+    """With the default clock a sleeping phase lasts at least the sleep."""
+    timer = PhaseTimer()
+    with timer.phase("sleep"):
+        time.sleep(0.01)
+    assert timer.durations()["sleep"] >= 0.01
+
+
+def test_phase_timer_records_time_when_block_raises() -> None:
+    """A phase whose block raises is still counted, and the exception propagates."""
+    timer = PhaseTimer(clock=FakeClock(0.0, 1.5))
+    with pytest.raises(KeyError, match="boom"), timer.phase("rollout"):
+        raise KeyError("boom")
+    assert timer.durations() == {"rollout": 1.5}
+    assert timer.running is None
+
+
+def test_phase_timer_rejects_nested_phase() -> None:
+    """Entering a phase inside another raises; the outer phase is still counted and the timer stays usable."""
+    timer = PhaseTimer(clock=FakeClock(0.0, 1.0, 0.0, 2.0))
+    with pytest.raises(ValueError, match="'train' cannot start while phase 'rollout' is running"), timer.phase("rollout"):
+        with timer.phase("train"):
+            pass
+    assert timer.durations() == {"rollout": 1.0}
+    with timer.phase("train"):
+        pass
+    assert timer.durations() == {"rollout": 1.0, "train": 2.0}
+
+
+def test_phase_timer_rejects_bad_names() -> None:
+    """A non-string or empty phase name is refused before any timing starts."""
+    timer = PhaseTimer()
+    with pytest.raises(TypeError, match="'name' must be a str: got int"), timer.phase(3):  # type: ignore[arg-type]
+        pass
+    with pytest.raises(ValueError, match="'name' must be a non-empty"), timer.phase(""):
+        pass
+    assert timer.durations() == {}
+
+
+def test_phase_timer_reset_forgets_totals() -> None:
+    """After reset the timer holds no phase, and durations() returned earlier are unaffected copies."""
+    timer = PhaseTimer(clock=FakeClock(0.0, 1.0))
+    with timer.phase("rollout"):
+        pass
+    before = timer.durations()
+    before["rollout"] = 99.0
+    assert timer.durations() == {"rollout": 1.0}
+    timer.reset()
+    assert timer.durations() == {}
+
+
+def test_phase_timer_reset_rejects_running_phase() -> None:
+    """reset() inside a phase raises rather than losing the running phase's time."""
+    timer = PhaseTimer(clock=FakeClock(0.0, 1.0))
+    with timer.phase("rollout"):
+        with pytest.raises(ValueError, match="'reset' cannot run while phase 'rollout' is running"):
+            timer.reset()
+    assert timer.durations() == {"rollout": 1.0}
+
+
+def test_phase_timer_rejects_non_callable_clock() -> None:
+    """The clock must be callable."""
+    with pytest.raises(TypeError, match="'clock' must be a callable"):
+        PhaseTimer(clock=1.0)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- record keys
+
+
+@given(name=keys, seconds=reward_values)
+def test_phase_fields_round_trip_through_phase_name(name: str, seconds: float) -> None:
+    """phase_fields builds one phase key per phase; phase_keys finds it and phase_name inverts it."""
+    fields = phase_fields({name: seconds})
+    record = {"step": 1, "step_time_s": 2.0, **fields}
+    assert phase_keys(record) == list(fields)
+    assert [phase_name(key) for key in phase_keys(record)] == [name]
+    assert fields[f"phase_{name}_s"] == float(seconds)
+
+
+def test_phase_fields_rejects_bad_durations() -> None:
+    """Non-string names, empty names and non-numeric seconds are refused."""
+    with pytest.raises(TypeError, match="'durations' keys must be phase names"):
+        phase_fields({1: 2.0})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="'durations' keys must be non-empty"):
+        phase_fields({"": 2.0})
+    with pytest.raises(TypeError, match=r"'durations\['train'\]' must be seconds"):
+        phase_fields({"train": "2s"})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="'durations' must be a mapping"):
+        phase_fields([("train", 2.0)])  # type: ignore[arg-type]
+
+
+def test_phase_keys_ignores_non_phase_keys() -> None:
+    """step_time_s, an empty phase name and unrelated keys are not phase keys; record order is kept."""
+    record = {"phase_b_s": 1.0, "step_time_s": 3.0, "phase__s": 0.0, "phase_a": 1.0, "reward_mean": 0.5, "phase_a_s": 2.0}
+    assert phase_keys(record) == ["phase_b_s", "phase_a_s"]
+
+
+def test_phase_keys_rejects_non_mapping() -> None:
+    """phase_keys needs a mapping."""
+    with pytest.raises(TypeError, match="'record' must be a mapping"):
+        phase_keys(["phase_a_s"])  # type: ignore[arg-type]
+
+
+def test_phase_name_rejects_non_phase_key() -> None:
+    """phase_name refuses keys outside the phase_<name>_s convention."""
+    with pytest.raises(ValueError, match="'key' must be of the form 'phase_<name>_s': got 'step_time_s'"):
+        phase_name("step_time_s")
+
+
+# ---------------------------------------------------------------- MetricsLog and read_metrics
+
+
+@given(reward=reward_values, loss=reward_values)
+def test_metrics_log_round_trips_through_read_metrics(reward: float, loss: float) -> None:
+    """read_metrics returns exactly the lines write returned, in order."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "metrics.jsonl"
+        with MetricsLog(path) as log:
+            written = [
+                log.write({"step": 1, "reward_mean": reward, "loss": loss, "tags": {"split": "train"}}),
+                log.write({"step": 5, "reward_mean": loss, "lengths": [1, 2, 3]}),
+            ]
+        assert read_metrics(path) == written
+        assert written[0] == {"step": 1, "reward_mean": float(reward), "loss": float(loss), "tags": {"split": "train"}}
+
+
+def test_metrics_log_converts_numpy_and_torch_scalars() -> None:
+    """numpy and torch scalars are written as plain ints, floats and bools."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "metrics.jsonl"
+        with MetricsLog(path) as log:
+            line = log.write(
+                {
+                    "step": np.int64(3),
+                    "reward_mean": np.float32(0.5),
+                    "loss": torch.tensor(-0.25),
+                    "tokens": torch.tensor([7]),
+                    "kept": np.bool_(True),
+                    "count": np.int32(4),
+                }
+            )
+        assert line == {"step": 3, "reward_mean": 0.5, "loss": -0.25, "tokens": 7, "kept": True, "count": 4}
+        assert [type(v) for v in line.values()] == [int, float, float, int, bool, int]
+        assert read_metrics(path) == [line]
+
+
+def test_metrics_log_writes_nan_and_inf_as_null() -> None:
+    """Non-finite floats (Python, numpy or torch) become JSON null, never the non-standard NaN token."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "metrics.jsonl"
+        with MetricsLog(path) as log:
+            log.write({"step": 1, "loss": math.nan, "kl": np.float64("inf"), "grad_norm": torch.tensor(-math.inf)})
+        text = path.read_text()
+        assert "NaN" not in text and "Infinity" not in text
+        assert json.loads(text) == {"step": 1, "loss": None, "kl": None, "grad_norm": None}
+        assert read_metrics(path) == [{"step": 1, "loss": None, "kl": None, "grad_norm": None}]
+
+
+def test_metrics_log_rejects_non_increasing_step(tmp_path: Path) -> None:
+    """A step not greater than the previous one is refused and nothing is written."""
+    with MetricsLog(tmp_path / "metrics.jsonl") as log:
+        log.write({"step": 1})
+        log.write({"step": 2})
+        with pytest.raises(ValueError, match="'step' must strictly increase .*: expected > 2, got 2"):
+            log.write({"step": 2})
+        with pytest.raises(ValueError, match="expected > 2, got 1"):
+            log.write({"step": 1})
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_metrics_log_continues_step_check_after_reopen(tmp_path: Path) -> None:
+    """Reopening an existing file appends to it and keeps steps strictly increasing across the two runs."""
+    path = tmp_path / "metrics.jsonl"
+    with MetricsLog(path) as log:
+        for step in (1, 2, 3):
+            log.write({"step": step, "reward_mean": 0.1 * step})
+    with MetricsLog(path) as log:
+        assert log.last_step == 3
+        with pytest.raises(ValueError, match="expected > 3, got 3"):
+            log.write({"step": 3})
+        log.write({"step": 4})
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4]
+
+
+def test_metrics_log_drop_after_removes_later_steps(tmp_path: Path) -> None:
+    """drop_after=k keeps the records with step <= k, so a run resumed from checkpoint k can log k+1 again."""
+    path = tmp_path / "metrics.jsonl"
+    with MetricsLog(path) as log:
+        for step in range(1, 6):
+            log.write({"step": step})
+    with MetricsLog(path, drop_after=3) as log:
+        assert log.last_step == 3
+        log.write({"step": 4, "resumed": True})
+    assert read_metrics(path) == [{"step": 1}, {"step": 2}, {"step": 3}, {"step": 4, "resumed": True}]
+
+
+def test_metrics_log_drop_after_rejects_non_int(tmp_path: Path) -> None:
+    """drop_after must be an int step."""
+    with pytest.raises(TypeError, match="'drop_after' must be an int step or None: got float"):
+        MetricsLog(tmp_path / "metrics.jsonl", drop_after=3.0)  # type: ignore[arg-type]
+
+
+def test_metrics_log_creates_parent_folders_and_appends_on_new_line(tmp_path: Path) -> None:
+    """Parent folders are created; a file without a final newline gets one before the next record."""
+    path = tmp_path / "runs" / "demo" / "metrics.jsonl"
+    with MetricsLog(path) as log:
+        assert log.last_step is None
+        log.write({"step": 0})
+    path.write_text(path.read_text().rstrip("\n"))
+    with MetricsLog(path) as log:
+        log.write({"step": 1})
+    assert read_metrics(path) == [{"step": 0}, {"step": 1}]
+
+
+def test_metrics_log_rejects_missing_or_non_int_step(tmp_path: Path) -> None:
+    """Every record needs an int step >= 0 (not a float, not a bool)."""
+    with MetricsLog(tmp_path / "metrics.jsonl") as log:
+        with pytest.raises(ValueError, match="'record' must have an int 'step'"):
+            log.write({"reward_mean": 0.5})
+        with pytest.raises(TypeError, match="'step' in 'record' must be an int: got float"):
+            log.write({"step": 1.0})
+        with pytest.raises(TypeError, match="'step' in 'record' must be an int: got bool"):
+            log.write({"step": True})
+        with pytest.raises(ValueError, match="'step' in 'record' must be >= 0: got -1"):
+            log.write({"step": -1})
+        with pytest.raises(TypeError, match="'record' must be a mapping"):
+            log.write([("step", 1)])  # type: ignore[arg-type]
+        assert log.last_step is None
+
+
+def test_metrics_log_rejects_non_json_values(tmp_path: Path) -> None:
+    """A value that is not JSON data, or a tensor of more than one element, is refused, naming its key."""
+    with MetricsLog(tmp_path / "metrics.jsonl") as log:
+        with pytest.raises(TypeError, match=r"'record\.extra\.when' must be JSON data .*got object"):
+            log.write({"step": 1, "extra": {"when": object()}})
+        with pytest.raises(TypeError, match=r"'record\.loss' must be a scalar: got a Tensor of shape \(3,\)"):
+            log.write({"step": 1, "loss": torch.zeros(3)})
+        with pytest.raises(TypeError, match="'record' keys must be str: got int"):
+            log.write({"step": 1, 7: 0.5})
+        log.write({"step": 1})
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1}]
+
+
+def test_metrics_log_rejects_write_after_close(tmp_path: Path) -> None:
+    """Writing to a closed log raises; closing twice is harmless."""
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.close()
+    log.close()
+    assert log.closed
+    with pytest.raises(ValueError, match="'MetricsLog' for .* is closed"):
+        log.write({"step": 1})
+
+
+def test_metrics_log_rejects_corrupt_existing_file(tmp_path: Path) -> None:
+    """Reopening a file with a bad line, or a record without a step, fails before appending."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "loss"\n')
+    with pytest.raises(ValueError, match="line 2 must be one JSON object"):
+        MetricsLog(path)
+    path.write_text('{"step": 1}\n{"loss": 0.5}\n')
+    with pytest.raises(ValueError, match="record 1' must have an int 'step'"):
+        MetricsLog(path)
+
+
+def test_read_metrics_skips_blank_lines(tmp_path: Path) -> None:
+    """Blank lines are not records."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n\n  \n{"step": 2, "loss": null}\n')
+    assert read_metrics(path) == [{"step": 1}, {"step": 2, "loss": None}]
+
+
+def test_read_metrics_names_the_bad_line(tmp_path: Path) -> None:
+    """A line that is not one JSON object raises naming its 1-based line number."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2\n')
+    with pytest.raises(ValueError, match="line 2 must be one JSON object"):
+        read_metrics(path)
+    path.write_text('{"step": 1}\n[1, 2]\n')
+    with pytest.raises(ValueError, match="line 2 must be one JSON object: got list"):
+        read_metrics(path)
+
+
+# ---------------------------------------------------------------- plot_run
+
+
+def test_plot_run_writes_a_png(tmp_path: Path) -> None:
+    """The plot is a PNG of 900 x 600 pixels (9 x 6 inches at 100 dpi) with real content."""
+    path = plot_run(_records(30), tmp_path / "plots" / "run.png", title="gsm8k-demo")
+    data = path.read_bytes()
+    assert path == tmp_path / "plots" / "run.png"
+    assert data[:8] == PNG_SIGNATURE
+    assert struct.unpack(">II", data[16:24]) == (900, 600)
+    assert len(data) > 10_000
+
+
+def test_plot_run_draws_gaps_and_records_without_phases(tmp_path: Path) -> None:
+    """Null rewards, a single record, or records without phase keys still give a PNG."""
+    records = [{"step": 3, "reward_mean": None}, {"step": 1, "reward_mean": 0.5}, {"step": 7, "reward_mean": 1.5, "step_time_s": 2.0}]
+    assert plot_run(records, tmp_path / "gaps.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert plot_run([{"step": 0, "reward_mean": -0.5}], tmp_path / "one.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_plot_run_rejects_empty_records(tmp_path: Path) -> None:
+    """An empty run has nothing to plot and writes no file."""
+    with pytest.raises(ValueError, match="'records' must hold at least one record to plot: got 0"):
+        plot_run([], tmp_path / "run.png")
+    assert not (tmp_path / "run.png").exists()
+
+
+def test_plot_run_rejects_records_without_step_or_reward(tmp_path: Path) -> None:
+    """Every record needs step and reward_mean; the message names the record."""
+    with pytest.raises(ValueError, match=r"'records\[1\]' must have a 'reward_mean' key"):
+        plot_run([{"step": 1, "reward_mean": 0.5}, {"step": 2}], tmp_path / "run.png")
+    with pytest.raises(ValueError, match=r"'records\[0\]' must have a 'step' key"):
+        plot_run([{"reward_mean": 0.5}], tmp_path / "run.png")
+    with pytest.raises(TypeError, match=r"'records\[0\]\['reward_mean'\]' must be a number: got str"):
+        plot_run([{"step": 1, "reward_mean": "high"}], tmp_path / "run.png")
+    with pytest.raises(ValueError, match="'window' must be >= 1 step: got 0"):
+        plot_run(_records(3), tmp_path / "run.png", window=0)
+    with pytest.raises(TypeError, match="'window' must be an int number of steps: got float"):
+        plot_run(_records(3), tmp_path / "run.png", window=2.5)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- RunProgress
+
+
+def test_run_progress_plain_prints_one_line_per_step() -> None:
+    """Plain mode prints exactly one line per advance, with the step count, reward, loss and step time."""
+    console = _plain_console()
+    records = [
+        {"step": 1, "reward_mean": 0.4124, "loss": -0.0012, "step_time_s": 1.234},
+        {"step": 2, "reward_mean": 0.5},
+        {"step": 3, "reward_mean": None, "step_time_s": 2.0},
+    ]
+    with RunProgress(total=60, console=console) as progress:
+        assert progress.mode == "plain"
+        for record in records:
+            progress.advance(record)
+    lines = _output(console).splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("step 1/60 reward 0.412 loss -0.0012 step 1.23s elapsed ")
+    assert lines[1].startswith("step 2/60 reward 0.500 elapsed ")
+    assert lines[2].startswith("step 3/60 step 2.00s elapsed ")
+    assert all(" eta " in line for line in lines)
+    assert progress.completed == 3
+
+
+def test_run_progress_counts_from_start_on_resume() -> None:
+    """With start=k the first advance shows step k+1."""
+    console = _plain_console()
+    progress = RunProgress(total=10, start=4, console=console)
+    progress.advance({"step": 5, "reward_mean": torch.tensor(0.25)})
+    assert _output(console).startswith("step 5/10 reward 0.250 ")
+
+
+def test_run_progress_picks_live_bar_only_on_terminal() -> None:
+    """The default is a live bar on a terminal and plain lines elsewhere; enabled=False or plain=True force plain."""
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=200)
+    assert RunProgress(5, console=terminal).mode == "live"
+    assert RunProgress(5, console=terminal, enabled=False).mode == "plain"
+    assert RunProgress(5, console=terminal, plain=True).mode == "plain"
+    assert RunProgress(5, console=_plain_console()).mode == "plain"
+    assert RunProgress(5, console=_plain_console(), plain=False).mode == "live"
+
+
+def test_run_progress_live_bar_shows_last_record() -> None:
+    """The live bar's final render shows the step count, the last reward and step time."""
+    console = Console(file=io.StringIO(), force_terminal=True, width=200)
+    with RunProgress(total=2, console=console) as progress:
+        progress.advance({"step": 1, "reward_mean": 0.1, "step_time_s": 3.0})
+        progress.advance({"step": 2, "reward_mean": 0.4124, "step_time_s": 1.234})
+    output = _output(console)
+    assert "step 2/2" in output and "reward 0.412" in output and "1.23 s/step" in output
+
+
+def test_run_progress_rejects_advance_past_total() -> None:
+    """Advancing more than total steps raises."""
+    progress = RunProgress(total=1, console=_plain_console())
+    progress.advance({"step": 1})
+    with pytest.raises(ValueError, match="'advance' called for step 2: expected at most 'total'=1 steps"):
+        progress.advance({"step": 2})
+
+
+def test_run_progress_rejects_bad_arguments() -> None:
+    """total must be an int >= 1, start in [0, total], records mappings with numeric fields."""
+    with pytest.raises(ValueError, match="'total' must be >= 1 step: got 0"):
+        RunProgress(total=0)
+    with pytest.raises(ValueError, match=r"'start' must be in \[0, total=5\]: got 6"):
+        RunProgress(total=5, start=6)
+    with pytest.raises(TypeError, match="'total' must be an int: got float"):
+        RunProgress(total=5.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="'console' must be a rich.console.Console"):
+        RunProgress(total=5, console=io.StringIO())  # type: ignore[arg-type]
+    progress = RunProgress(total=5, console=_plain_console())
+    with pytest.raises(TypeError, match="'record' must be a mapping"):
+        progress.advance(0.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"'record\['reward_mean'\]' must be a number: got str"):
+        progress.advance({"step": 1, "reward_mean": "good"})
+    assert progress.completed == 0
