@@ -39,6 +39,7 @@ from core.topology import NamedSharding
 from shell.column_io import GLOBAL_FORWARD_PAD_SEQLEN, read_columns, write_columns
 from shell.dataplane import DataPlaneClient
 from shell.loss import PREV_LOGPROBS, REFERENCE_LOGPROBS, TOKEN_MASK
+from shell.metering import column_bytes
 from shell.policy_worker import (
     INPUT_IDS,
     LENGTHS,
@@ -263,14 +264,13 @@ def merge_train(results: Sequence[Mapping[str, Any]]) -> TrainResult:
 
 
 def tensor_bytes(value: Any) -> int:
-    """Payload bytes of a tensor, or of every tensor in a TensorDict / mapping (0 for anything else)."""
-    if isinstance(value, torch.Tensor):
-        if value.is_nested:
-            return sum(tensor_bytes(row) for row in value.unbind())
-        return value.numel() * value.element_size()
+    """Payload bytes of a tensor, or of every column of a TensorDict / mapping (0 for anything else).
+
+    Each column is counted by :func:`shell.metering.column_bytes`, as the store's meter counts it.
+    """
     if isinstance(value, (TensorDict, Mapping)):
-        return sum(tensor_bytes(v) for v in value.values())
-    return 0
+        return sum(column_bytes(v) for v in value.values())
+    return column_bytes(value)
 
 
 def _shard_bytes(shards: Sequence[RankShard]) -> int:
