@@ -1,38 +1,34 @@
 """Per-row content digests: a 64-bit fingerprint of each row of a column.
 
-Tensor rows are digested by a vectorised multiply/xorshift hash computed over
-the whole column at once. Each element's bit pattern ``w`` (an unsigned integer
-of the element's own width; elements wider than 8 bytes as several 8-byte
-words) at position ``p`` inside its row becomes the term
+A tensor row is a run of elements: a row of a jagged nested tensor, or row
+``i`` of a dense ``(N, S, ...)`` tensor. Its digest is XXH3-64 (the
+``xxhash`` library) of the row's bytes, the elements' bit patterns in
+little-endian order, seeded with a constant ``H`` drawn (by BLAKE2b) from the
+dtype and the per-token shape. One call per row reads the row in place: no
+copy, no gather, holes between jagged rows skipped.
+
+A row of a 1-D ``(N,)`` column is a single element, where a call per row would
+cost more than the hashing, so those columns are digested at once by a
+vectorised bijection. Each element's bit pattern, as one or two 64-bit words
+``w`` at positions ``p``, becomes the term
 
     z = xs32(M2 * xs32(M1 * (w + p * WEYL)))    (arithmetic mod 2**64,
                                                  xs32(x) = x ^ (x >> 32))
 
-and the row's digest is ``fmix64(sum(z) + H + L * LEN)``: ``H`` is a constant
-drawn (by BLAKE2b) from the dtype and the per-token shape, ``L`` the row
-length and ``fmix64`` the SplitMix64 finaliser. That is five passes over the
-column's words and one segmented sum; the position salts ``p * WEYL`` are
-computed once per row layout and shared by the columns that have it. Object
-rows (Python values) are digested by a personalised 64-bit BLAKE2b of a
-canonical pickle, a slower per-row path.
+and the row's digest is ``fmix64(sum(z) + H)``, ``fmix64`` being the SplitMix64
+finaliser.
 
 Invariant: two rows get the same digest when they hold the same dtype, the same
 shape and the same bits (object rows: the same canonical value), so equal data
-never mismatches. Every step from ``w`` to ``z`` is a bijection of ``w`` for a
-fixed position (adding a constant, multiplying by an odd constant, a 32-bit
-xorshift) and ``fmix64`` is a bijection, so a row that differs in one element
-of up to 8 bytes always gets another digest. Any other difference (a truncated
-or padded row, a permutation inside a row, a row replaced by a constant row,
-several changed elements) goes unnoticed only if the terms of the differing
-elements cancel in the 64-bit sum together with the length and header terms:
-probability about 2**-64 per row under the usual heuristic that the mixed
-terms behave like independent uniform values. The salt is added before any
-nonlinear step, so moving an element (even a zero, or a float's sign bit
-alone) changes its term, and the last step of a term is an xorshift, which
-does not commute with the sum (a sum of terms linear in ``w`` would be blind
-to a swap). The hash is not cryptographic: it detects accidental corruption,
-not a forger. Digests depend on nothing but the row (no seeds, no ``hash()``,
-bit patterns read as values, not bytes), so they agree across processes and
+never mismatches. A changed element, a truncated or padded row, a permutation
+inside a row, a row replaced by a constant row, or rows swapped between keys
+change the bytes (or their count) that a row's digest reads, and XXH3-64
+yields the same digest for two different inputs with probability about
+2**-64 (its published collision and avalanche test results); a scalar row's
+digest is a bijection of a 64-bit element, so any change of one is detected
+for certain. The hash is not cryptographic: it detects accidental corruption,
+not a forger. Digests depend on nothing but the row (no per-process seeds, no
+``hash()``, bytes in one fixed order), so they agree across processes and
 machines.
 
 Digesting never mutates its input.
@@ -48,6 +44,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 Digests = tuple[int, ...]
 DigestMatrix = np.ndarray
@@ -57,7 +54,6 @@ _PERSON = b"kvrow-v1"
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _WEYL = np.uint64(0x9E3779B97F4A7C15)
-_LEN = np.uint64(0xD6E8FEB86659FD93)
 _LOW = 0 if np.little_endian else 1
 """Index of the low 32-bit half of a uint64 in its uint32 view."""
 _WORDS = {
@@ -68,14 +64,14 @@ _WORDS = {
 }
 
 
-# ---------------------------------------------------------------- tensor rows (vectorised)
+# ---------------------------------------------------------------- tensor rows
 
 
-def _header(dtype: torch.dtype, token_shape: Sequence[int] | None) -> np.uint64:
+def _header(dtype: torch.dtype, token_shape: Sequence[int] | None) -> int:
     """The constant ``H`` of a column: dtype and per-token shape (None: each row is one scalar)."""
     shape = "scalar" if token_shape is None else str(tuple(int(s) for s in token_shape))
     h = hashlib.blake2b(f"{dtype}|{shape}".encode(), digest_size=8, person=_PERSON)
-    return np.uint64(int.from_bytes(h.digest(), "little"))
+    return int.from_bytes(h.digest(), "little")
 
 
 def _words(values: torch.Tensor) -> tuple[np.ndarray, int]:
@@ -94,6 +90,21 @@ def _words(values: torch.Tensor) -> tuple[np.ndarray, int]:
     return t.view(torch_word).numpy().view(numpy_word), per_element
 
 
+def _little_endian_bytes(values: torch.Tensor) -> memoryview:
+    """The elements' bit patterns as little-endian bytes (a view of ``values`` on little-endian machines)."""
+    words, _ = _words(values)
+    if not np.little_endian and words.itemsize > 1:
+        words = words.byteswap()  # a copy: the input is never changed
+    return memoryview(words.view(np.uint8))
+
+
+def _row_digests(data: memoryview, starts: Sequence[int], sizes: Sequence[int], header: int) -> np.ndarray:
+    """XXH3-64 of ``data[start:start + size]`` for each row, seeded with ``header``, as int64."""
+    digest = xxhash.xxh3_64_intdigest
+    out = [digest(data[a : a + n], header) for a, n in zip(starts, sizes)]
+    return np.array(out, dtype=np.uint64).view(np.int64)
+
+
 def _xs32(x: np.ndarray) -> None:
     """``x ^= x >> 32`` in place, as ``low half ^= high half`` on the uint32 view (one pass, no temporary)."""
     halves = x.view(np.uint32).reshape(-1, 2)
@@ -110,58 +121,18 @@ def _fmix64(h: np.ndarray) -> np.ndarray:
     return h
 
 
-def _finish(sums: np.ndarray, header: np.uint64, lengths: np.ndarray) -> np.ndarray:
-    h = sums + header
-    h += lengths.astype(np.uint64) * _LEN
+def _scalar_digests(column: torch.Tensor) -> np.ndarray:
+    """Digests of a 1-D column, one element per row, by the vectorised bijection of the module docstring."""
+    words, per_element = _words(column)
+    x = words.reshape(column.shape[0], per_element).astype(np.uint64)
+    x += np.arange(per_element, dtype=np.uint64) * _WEYL
+    x *= _M1
+    _xs32(x)
+    x *= _M2
+    _xs32(x)
+    h = x.sum(axis=1, dtype=np.uint64)
+    h += np.uint64(_header(column.dtype, None))
     return _fmix64(h).view(np.int64)
-
-
-class _Workspace:
-    """Scratch of one digesting call: the term buffer, and the salts ``p * WEYL`` shared by columns of one row layout.
-
-    Reusing memory matters: paging in a fresh megabyte-sized array costs about
-    as much as a pass of arithmetic over it.
-    """
-
-    def __init__(self) -> None:
-        self._buffer = np.empty(0, dtype=np.uint64)
-        self._jagged: dict[bytes, np.ndarray] = {}
-        self._dense: dict[int, np.ndarray] = {}
-
-    def terms(self, words: np.ndarray, salt: np.ndarray) -> np.ndarray:
-        """The terms ``xs32(M2 * xs32(M1 * (w + salt)))`` of ``words`` (``salt`` of the same shape), in the shared buffer."""
-        size = words.size
-        if self._buffer.size < size:
-            self._buffer = np.empty(size, dtype=np.uint64)
-        x = self._buffer[:size].reshape(words.shape)
-        np.add(words, salt, out=x, dtype=np.uint64)
-        x *= _M1
-        _xs32(x)
-        x *= _M2
-        _xs32(x)
-        return x
-
-    def dense_salt(self, width: int) -> np.ndarray:
-        """``p * WEYL`` for ``p`` in ``0..width-1``."""
-        salt = self._dense.get(width)
-        if salt is None:
-            salt = self._dense[width] = np.arange(width, dtype=np.uint64) * _WEYL
-        return salt
-
-    def jagged_salt(self, starts: np.ndarray, counts: np.ndarray, total: int) -> np.ndarray:
-        """``p * WEYL`` of each of ``total`` words, ``p`` counted from the start of its row (rows back to back)."""
-        key = starts.tobytes() + counts.tobytes()
-        salt = self._jagged.get(key)
-        if salt is None:
-            # (i - start) * WEYL for word i of a row that starts at word ``start``.
-            salt = np.repeat(np.uint64(0) - _WEYL * starts.astype(np.uint64), counts)
-            steps = np.arange(total, dtype=np.uint64)
-            steps *= _WEYL
-            salt += steps
-            self._jagged[key] = salt
-            if self._buffer.size < total:
-                self._buffer = steps  # already paged in: reuse it as the term buffer
-        return salt
 
 
 def _jagged_parts(column: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
@@ -180,52 +151,32 @@ def _jagged_parts(column: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return None
 
 
-def _dense_digests(column: torch.Tensor, work: _Workspace) -> np.ndarray:
-    n = column.shape[0]
-    words, per_element = _words(column)
-    if column.dim() == 1:
-        header, lengths, width = _header(column.dtype, None), np.zeros(n, dtype=np.int64), per_element
-    else:
-        header = _header(column.dtype, column.shape[2:])
-        lengths = np.full(n, column.shape[1], dtype=np.int64)
-        width = math.prod(column.shape[1:]) * per_element
-    if n == 0 or width == 0:
-        return _finish(np.zeros(n, dtype=np.uint64), header, lengths)
-    x = work.terms(words.reshape(n, width), work.dense_salt(width))
-    return _finish(x.sum(axis=1, dtype=np.uint64), header, lengths)
-
-
-def _jagged_digests(values: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor | None, work: _Workspace) -> np.ndarray:
+def _jagged_digests(values: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor | None) -> np.ndarray:
     off = offsets.detach().cpu().numpy().astype(np.int64, copy=False)
-    n = off.shape[0] - 1
     rows = np.diff(off) if lengths is None else lengths.detach().cpu().numpy().astype(np.int64, copy=False)
-    header = _header(values.dtype, values.shape[1:])
-    words, per_element = _words(values)
-    per_token = math.prod(values.shape[1:]) * per_element
-    starts, counts = off[:-1] * per_token, rows * per_token
-    total = int(counts.sum())
-    if total == 0:
-        return _finish(np.zeros(n, dtype=np.uint64), header, rows)
-    packed = np.cumsum(counts) - counts  # where each row starts once the rows are back to back
-    if lengths is not None or int(off[0]) != 0 or int(off[-1]) * per_token != words.shape[0]:
-        # Holes between or around the rows: gather their words back to back first.
-        words = words[np.arange(total, dtype=np.int64) + np.repeat(starts - packed, counts)]
-    x = work.terms(words, work.jagged_salt(packed, counts, total))
-    sums = np.zeros(n, dtype=np.uint64)
-    filled = counts > 0
-    sums[filled] = np.add.reduceat(x, packed[filled], dtype=np.uint64)
-    return _finish(sums, header, rows)
+    token_bytes = math.prod(values.shape[1:]) * values.element_size()
+    starts, sizes = (off[:-1] * token_bytes).tolist(), (rows * token_bytes).tolist()
+    return _row_digests(_little_endian_bytes(values), starts, sizes, _header(values.dtype, values.shape[1:]))
 
 
-def _tensor_digests(column: torch.Tensor, work: _Workspace) -> np.ndarray:
+def _dense_digests(column: torch.Tensor) -> np.ndarray:
+    n = column.shape[0]
+    row_bytes = math.prod(column.shape[1:]) * column.element_size()
+    starts = range(0, n * row_bytes, row_bytes) if row_bytes else [0] * n
+    return _row_digests(_little_endian_bytes(column), starts, [row_bytes] * n, _header(column.dtype, column.shape[2:]))
+
+
+def _tensor_digests(column: torch.Tensor) -> np.ndarray:
     if not isinstance(column, torch.Tensor):
         raise TypeError(f"'column' must be a torch.Tensor: got {type(column).__name__}")
     parts = _jagged_parts(column)
     if parts is not None:
-        return _jagged_digests(*parts, work)
+        return _jagged_digests(*parts)
     if column.dim() == 0:
         raise TypeError("'column' must have a batch dimension: got a 0-d tensor")
-    return _dense_digests(column, work)
+    if column.dim() == 1:
+        return _scalar_digests(column)
+    return _dense_digests(column)
 
 
 def tensor_row_digests(column: torch.Tensor) -> Digests:
@@ -245,7 +196,7 @@ def tensor_row_digests(column: torch.Tensor) -> Digests:
         TypeError: ``column`` is not a tensor, is a 0-d tensor, or is a nested
             tensor of another layout than ``torch.jagged``.
     """
-    return tuple(_tensor_digests(column, _Workspace()).tolist())
+    return tuple(_tensor_digests(column).tolist())
 
 
 # ---------------------------------------------------------------- object rows (per row)
@@ -286,9 +237,8 @@ def object_row_digests(rows: Sequence[Any]) -> Digests:
 def digest_matrix(columns: Sequence[torch.Tensor | Sequence[Any]]) -> DigestMatrix:
     """The digests of ``F`` columns of ``N`` rows each, as one ``(N, F)`` int64 array.
 
-    Column ``j`` is a tensor (digested as :func:`tensor_row_digests` does, the
-    position salts shared by columns with the same row layout) or a sequence
-    of per-row Python objects (as :func:`object_row_digests`).
+    Column ``j`` is a tensor (digested as :func:`tensor_row_digests` does) or a
+    sequence of per-row Python objects (as :func:`object_row_digests`).
 
     Raises:
         TypeError: a column is neither a tensor nor a sequence (or is a tensor
@@ -299,11 +249,10 @@ def digest_matrix(columns: Sequence[torch.Tensor | Sequence[Any]]) -> DigestMatr
         >>> digest_matrix([torch.zeros(2, 3), ["a", "b"]]).shape
         (2, 2)
     """
-    work = _Workspace()
     out = []
     for j, column in enumerate(columns):
         if isinstance(column, torch.Tensor):
-            digests = _tensor_digests(column, work)
+            digests = _tensor_digests(column)
         elif isinstance(column, Sequence) and not isinstance(column, (str, bytes)):
             digests = np.array(object_row_digests(column), dtype=np.int64).reshape(-1)
         else:
