@@ -32,7 +32,17 @@ from tensordict import TensorDict
 from adapters.rows import ColumnSpec, build_tensordict, common_spec, read_columns_of, split_column, stack_column
 from core.frozen import FrozenDict
 from core.meta import KVBatchMeta
-from shell.dataplane import Keys, SeqLens, Tags, missing_field_error, unknown_keys_error, validate_get, validate_put
+from shell.dataplane import (
+    Keys,
+    SeqLens,
+    Tags,
+    missing_field_error,
+    pick_tags,
+    unknown_keys_error,
+    validate_get,
+    validate_put,
+    validate_tag_names,
+)
 
 StoredRow = tuple[ColumnSpec, Any]
 
@@ -125,6 +135,21 @@ class MemoryStore:
             KeyError: some keys are not stored (never put, or cleared); a
                 selected field is missing for some keys (names the field and keys).
         """
+        return self._get(keys, partition_id, select_fields, ())[0]
+
+    def get_with_tags(
+        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
+    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
+        """:meth:`get` plus, per key, the tags of ``tag_names`` it holds, read under one lock hold.
+
+        Raises:
+            Whatever :meth:`get` raises; ``TypeError`` if ``tag_names`` is a single string.
+        """
+        return self._get(keys, partition_id, select_fields, validate_tag_names(tag_names))
+
+    def _get(
+        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: tuple[str, ...]
+    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
         self._check_open()
         keys, names = validate_get(keys, partition_id, select_fields)
         with self._lock:
@@ -136,11 +161,12 @@ class MemoryStore:
                 if missing:
                     raise missing_field_error(name, partition_id, missing)
                 selected[name] = {key: entry.fields[name] for key, entry in zip(keys, entries)}
+            tags = pick_tags([entry.tags for entry in entries], tag_names)
         columns = {}
         for name, stored in selected.items():
             spec = common_spec(name, {key: spec for key, (spec, _) in stored.items()})
             columns[name] = stack_column(name, spec, [row for _, row in stored.values()])
-        return build_tensordict(columns, len(keys))
+        return build_tensordict(columns, len(keys)), tags
 
     def clear(self, keys: Keys, partition_id: str) -> None:
         """Remove ``keys`` (all their fields, tags and lengths) from ``partition_id``.

@@ -44,7 +44,7 @@ from tensordict import TensorDict
 from adapters.memory import MemoryStore
 from adapters.rows import column_spec, read_columns_of
 from core.meta import KVBatchMeta
-from shell.dataplane import Keys, SeqLens, Tags, validate_get, validate_put
+from shell.dataplane import Keys, SeqLens, Tags, validate_get, validate_put, validate_tag_names
 
 NAMESPACE = "rl-dataplane-memory"
 """The Ray namespace the store actors are named in (any driver of the cluster finds them there)."""
@@ -80,6 +80,12 @@ class MemoryStoreActor:
     def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
         """See :meth:`adapters.memory.MemoryStore.get`."""
         return self._store.get(keys, partition_id, select_fields)
+
+    def get_with_tags(
+        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
+    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
+        """See :meth:`adapters.memory.MemoryStore.get_with_tags`."""
+        return self._store.get_with_tags(keys, partition_id, select_fields, tag_names)
 
     def clear(self, keys: Keys, partition_id: str) -> None:
         """See :meth:`adapters.memory.MemoryStore.clear`."""
@@ -257,6 +263,19 @@ class RayMemoryStore:
         self._check_open()
         keys, names = validate_get(keys, partition_id, select_fields)
         return self._call(self._handle.get.remote(keys, partition_id, names))
+
+    def get_with_tags(
+        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
+    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
+        """:meth:`get` plus, per key, the tags of ``tag_names`` it holds, in one actor call.
+
+        Raises:
+            Whatever :meth:`get` raises; ``TypeError`` if ``tag_names`` is a single string.
+        """
+        self._check_open()
+        keys, names = validate_get(keys, partition_id, select_fields)
+        tag_names = validate_tag_names(tag_names)
+        return self._call(self._handle.get_with_tags.remote(keys, partition_id, names, tag_names))
 
     def clear(self, keys: Keys, partition_id: str) -> None:
         """Remove ``keys`` from ``partition_id``, exactly and atomically; see :meth:`adapters.memory.MemoryStore.clear`.

@@ -93,7 +93,17 @@ from adapters.rows import (
 )
 from core.frozen import thaw
 from core.meta import KVBatchMeta
-from shell.dataplane import Keys, SeqLens, Tags, missing_field_error, unknown_keys_error, validate_get, validate_put
+from shell.dataplane import (
+    Keys,
+    SeqLens,
+    Tags,
+    missing_field_error,
+    pick_tags,
+    unknown_keys_error,
+    validate_get,
+    validate_put,
+    validate_tag_names,
+)
 
 SPEC_TAG = "__kvspec__"
 """Reserved tag: the JSON list of the wire fields a key holds (:func:`spec_tag`), one per user field."""
@@ -720,14 +730,31 @@ class TransferQueueStore:
             KeyError: some keys are not stored; a selected field is missing for
                 some keys (names the field and keys).
         """
+        return self._get(keys, partition_id, select_fields, ())[0]
+
+    def get_with_tags(
+        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
+    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
+        """:meth:`get` plus, per key, the tags of ``tag_names`` it holds, from the same meta lookup.
+
+        Raises:
+            Whatever :meth:`get` raises; ``TypeError`` if ``tag_names`` is a
+            single string; ``ValueError`` if it names a reserved tag.
+        """
+        return self._get(keys, partition_id, select_fields, validate_tag_names(tag_names, RESERVED_TAGS))
+
+    def _get(
+        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: tuple[str, ...]
+    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
         self._check_open()
         keys, names = validate_get(keys, partition_id, select_fields)
         client = self._client()
         meta = client.kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
         self._check_found(client, keys, partition_id, meta)
         specs = plan_get(keys, partition_id, names, meta.custom_meta)
+        tags = pick_tags(meta.custom_meta, tag_names)
         selected = select_wires(meta, specs, partition_id)
-        return decode_columns(specs, client.get_data(selected), len(keys))
+        return decode_columns(specs, client.get_data(selected), len(keys)), tags
 
     def clear(self, keys: Keys, partition_id: str) -> None:
         """Remove ``keys`` (all their fields, tags and lengths) from ``partition_id``.

@@ -59,12 +59,17 @@ class FrozenDict(Mapping[str, Any]):
         return (FrozenDict, (self._data,))
 
 
+_ATOMS = frozenset({int, float, str, bool, bytes, complex, type(None)})
+"""Exact types that are immutable leaves: checked by ``type(x) in _ATOMS``, far cheaper than the ABC checks."""
+
+
 def freeze(value: Any) -> Any:
     """Return a deeply immutable copy of ``value`` (see the module invariant)."""
-    if isinstance(value, FrozenDict):
+    kind = type(value)
+    if kind in _ATOMS or kind is FrozenDict:
         return value
-    if isinstance(value, Mapping):
-        return FrozenDict({k: freeze(v) for k, v in value.items()})
+    if kind is dict or isinstance(value, Mapping):
+        return FrozenDict({k: v if type(v) in _ATOMS else freeze(v) for k, v in value.items()})
     if isinstance(value, (list, tuple)):
         return tuple(freeze(v) for v in value)
     if isinstance(value, (set, frozenset)):
@@ -78,8 +83,12 @@ def freeze(value: Any) -> Any:
 
 def thaw(value: Any) -> Any:
     """Return plain mutable containers for a frozen value (``FrozenDict`` -> dict, tuple -> list)."""
-    if isinstance(value, Mapping):
-        return {k: thaw(v) for k, v in value.items()}
+    kind = type(value)
+    if kind in _ATOMS:
+        return value
+    if kind is FrozenDict or isinstance(value, Mapping):
+        items = value._data.items() if kind is FrozenDict else value.items()
+        return {k: v if type(v) in _ATOMS else thaw(v) for k, v in items}
     if isinstance(value, tuple):
         return [thaw(v) for v in value]
     if isinstance(value, frozenset):

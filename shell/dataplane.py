@@ -77,6 +77,30 @@ class DataPlaneClient(Protocol):
 
 
 @runtime_checkable
+class TaggedGetClient(Protocol):
+    """Optional capability of a synchronous client: a get that also returns some of each key's tags.
+
+    ``get_with_tags`` reads the columns and the tags in the same lookup, so
+    they describe one state of the store, at the cost of one ``get``.
+    ``shell.metering.MeteredClient`` uses it, when the inner client has it, to
+    read the integrity digests with the data instead of a separate
+    ``describe``. Every adapter in ``adapters/`` implements it.
+    """
+
+    def get_with_tags(
+        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
+    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
+        """``get(keys, partition_id, select_fields)`` and, per key in request order, the tags of
+        ``tag_names`` that key holds (a name the key lacks is absent from its mapping).
+
+        Raises:
+            Whatever ``get`` raises; ``TypeError`` if ``tag_names`` is a single
+            string; ``ValueError`` if it names a tag reserved by the adapter.
+        """
+        ...
+
+
+@runtime_checkable
 class AsyncDataPlaneClient(Protocol):
     """Asynchronous form of :class:`DataPlaneClient`: the same methods, as coroutines."""
 
@@ -154,6 +178,30 @@ def validate_get(keys: Keys, partition_id: str, select_fields: Sequence[str]) ->
     if not meta.keys:
         raise ValueError("'keys' must name at least one row: got none")
     return meta.keys, meta.fields
+
+
+def validate_tag_names(tag_names: Sequence[str], reserved: frozenset[str] = frozenset()) -> tuple[str, ...]:
+    """Check the ``tag_names`` of a :meth:`TaggedGetClient.get_with_tags`; return them as a tuple.
+
+    Raises:
+        TypeError: ``tag_names`` is a single string, or holds a non-string.
+        ValueError: a name is one of the adapter's ``reserved`` tags.
+    """
+    if isinstance(tag_names, (str, bytes)):
+        raise TypeError(f"'tag_names' must be a sequence of tag names, not a single string: got {tag_names!r}")
+    names = tuple(tag_names)
+    bad = [name for name in names if not isinstance(name, str)]
+    if bad:
+        raise TypeError(f"'tag_names' entries must be str: got {bad[:5]}")
+    hidden = sorted(set(names) & reserved)
+    if hidden:
+        raise ValueError(f"'tag_names' must not name the adapter's reserved tags {sorted(reserved)}: got {hidden}")
+    return names
+
+
+def pick_tags(tags: Sequence[Mapping[str, Any]], names: Sequence[str]) -> tuple[dict[str, Any], ...]:
+    """Per key, the entries of ``names`` its tags hold (request order kept)."""
+    return tuple({name: tag[name] for name in names if name in tag} for tag in tags)
 
 
 def missing_field_error(field: str, partition_id: str, keys: Sequence[str]) -> KeyError:

@@ -7,11 +7,13 @@ bytes and keys still outstanding per partition (put and not yet cleared).
 previous ``step_delta()`` call, for per-step logging.
 
 With ``verify_integrity=True`` every put also computes, for each field ``f``
-it writes, one 64-bit content digest per row (``core.integrity``, vectorised
-over the column) and stores it in the key's reserved tag ``__digest__.f``
+it writes, one 64-bit content digest per row (``core.integrity``: XXH3-64 of
+the row's bytes) and stores it in the key's reserved tag ``__digest__.f``
 (tags merge per key, new values win, so a later put of ``f`` under a key
 replaces exactly that key's digest of ``f``, whichever process makes it).
-Every get reads the key's tags back with ``describe`` and raises
+Every get reads the digests back with the data, in one lookup when the inner
+client is a :class:`shell.dataplane.TaggedGetClient` (every adapter here is)
+and with a ``describe`` otherwise, and raises
 :class:`IntegrityError`, naming the keys and fields, when a row's content no
 longer matches. The digests cover dtype, shape and every bit, so a changed
 element, a truncated row, swapped rows, a permutation inside a row or a
@@ -21,7 +23,8 @@ what any other wrote.
 
 Digests live in tags rather than in extra columns because a store like
 TransferQueue pays per row and per field: one more column costs a get about
-a quarter of its time, a tag read (``describe``) about a tenth.
+a quarter of its time, while the tags come with the meta lookup a get makes
+anyway.
 
 Invariant: the wrapper never changes what the inner client stores or returns
 for user fields and user tags; the reserved digest tags are added on put and
@@ -44,7 +47,7 @@ from adapters.rows import read_columns_of
 from core.frozen import FrozenDict
 from core.integrity import DigestMatrix, digest_matrix
 from core.meta import KVBatchMeta
-from shell.dataplane import DataPlaneClient, Keys, SeqLens, Tags, validate_get
+from shell.dataplane import DataPlaneClient, Keys, SeqLens, Tags, TaggedGetClient, validate_get
 
 DIGEST_PREFIX = "__digest__."
 """Reserved prefix: the tag ``__digest__.f`` of a key holds the digest of its row of field ``f``."""
@@ -256,9 +259,14 @@ class MeteredClient:
             columns = read_columns_of(out)
         else:
             keys, select = validate_get(keys, partition_id, select_fields)
-            out = self.inner.get(keys, partition_id, select)
+            names = [DIGEST_PREFIX + name for name in select]
+            if isinstance(self.inner, TaggedGetClient):  # data and digests from one lookup
+                out, tags = self.inner.get_with_tags(keys, partition_id, select, names)
+            else:
+                out = self.inner.get(keys, partition_id, select)
+                tags = self.inner.describe(keys, partition_id).tags or [{}] * len(keys)
             columns = read_columns_of(out)
-            stored = _stored_digests(self.inner.describe(keys, partition_id), select)
+            stored = _stored_digests(keys, partition_id, tags, select)
             actual = digest_matrix([_digestible(name, columns[name]) for name in select])
             bad = stored != actual
             if bad.any():
@@ -386,21 +394,22 @@ def _strip_digest_tags(tags: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     return [{k: v for k, v in tag.items() if not k.startswith(DIGEST_PREFIX)} for tag in tags]
 
 
-def _stored_digests(meta: KVBatchMeta, select: Sequence[str]) -> DigestMatrix:
+def _stored_digests(
+    keys: Sequence[str], partition_id: str, tags: Sequence[Mapping[str, Any]], select: Sequence[str]
+) -> DigestMatrix:
     """The ``(N, F)`` digests the keys' tags record for ``select``.
 
     Raises:
         KeyError: some keys have no digest of a field (it was written without integrity).
     """
     names = [DIGEST_PREFIX + name for name in select]
-    tags = meta.tags if meta.tags is not None else [{}] * len(meta.keys)
     rows = [[tag.get(name) for name in names] for tag in tags]
     for j, name in enumerate(select):
-        lacking = [key for key, row in zip(meta.keys, rows) if row[j] is None]
+        lacking = [key for key, row in zip(keys, rows) if row[j] is None]
         if lacking:
             shown = lacking[:5] + (["..."] if len(lacking) > 5 else [])
             raise KeyError(
-                f"field {name!r} has no integrity digest in partition {meta.partition_id!r} for {len(lacking)} keys "
+                f"field {name!r} has no integrity digest in partition {partition_id!r} for {len(lacking)} keys "
                 f"{shown}: it was written without verify_integrity=True"
             )
     return np.array(rows, dtype=np.int64).reshape(len(tags), len(names))

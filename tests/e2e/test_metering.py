@@ -45,6 +45,7 @@ class FaultyStore:
 
     def __init__(self, inner: DataPlaneClient, field: str, corrupt: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.inner, self.field, self.corrupt = inner, field, corrupt
+        self.describes = 0
 
     def put(self, keys: Sequence[str], partition_id: str, fields: TensorDict, **kw: object) -> KVBatchMeta:
         return self.inner.put(keys, partition_id, fields, **kw)  # type: ignore[arg-type]
@@ -62,10 +63,23 @@ class FaultyStore:
         return self.inner.list_keys(partition_id)
 
     def describe(self, keys: Sequence[str], partition_id: str) -> KVBatchMeta:
+        self.describes += 1
         return self.inner.describe(keys, partition_id)
 
     def close(self) -> None:
         self.inner.close()
+
+
+class FaultyTaggedStore(FaultyStore):
+    """A FaultyStore that also has ``get_with_tags``, corrupting it the same way."""
+
+    def get_with_tags(
+        self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
+    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
+        out, tags = self.inner.get_with_tags(keys, partition_id, select_fields, tag_names)  # type: ignore[attr-defined]
+        if self.field in out.keys():
+            out.set(self.field, self.corrupt(out.get(self.field)))
+        return out, tags
 
 
 def _rows(j: torch.Tensor) -> list[torch.Tensor]:
@@ -111,14 +125,28 @@ def _constant(j: torch.Tensor) -> torch.Tensor:
     [(_change_element, {"k3"}), (_truncate, {"k3"}), (_swap, {"k0", "k3"}), (_permute_within, {"k0"}), (_constant, {"k3"})],
     ids=["changed-element", "truncated-row", "swapped-rows", "permuted-within-row", "constant-row"],
 )
-def test_metered_client_get_raises_integrity_error_on_corruption(corrupt: Callable[[torch.Tensor], torch.Tensor], bad_keys: set[str]) -> None:
-    """Every injected corruption of a stored row raises IntegrityError naming the keys and the field."""
-    client = MeteredClient(FaultyStore(MemoryStore(), "input_ids", corrupt), verify_integrity=True)
+@pytest.mark.parametrize("faulty", [FaultyStore, FaultyTaggedStore], ids=["describe", "get_with_tags"])
+def test_metered_client_get_raises_integrity_error_on_corruption(
+    corrupt: Callable[[torch.Tensor], torch.Tensor], bad_keys: set[str], faulty: type[FaultyStore]
+) -> None:
+    """Every injected corruption of a stored row raises IntegrityError naming the keys and the field,
+    whether the digests come back with the data (get_with_tags) or through describe."""
+    client = MeteredClient(faulty(MemoryStore(), "input_ids", corrupt), verify_integrity=True)
     client.put(KEYS, "p", _batch())
     with pytest.raises(IntegrityError, match=r"fields \['input_ids'\] differ") as info:
         client.get(KEYS, "p", ["input_ids", "reward"])
     assert set(info.value.keys) == bad_keys
     assert info.value.fields == ("input_ids",)
+
+
+def test_metered_client_reads_digests_with_the_data_when_the_store_can() -> None:
+    """With a TaggedGetClient inner store a verified get makes no describe call; without one it makes one."""
+    for faulty, describes in ((FaultyTaggedStore, 0), (FaultyStore, 1)):
+        inner = faulty(MemoryStore(), "input_ids", lambda j: j)
+        client = MeteredClient(inner, verify_integrity=True)
+        client.put(KEYS, "p", _batch())
+        client.get(KEYS, "p", ["input_ids", "prompt"])
+        assert inner.describes == describes, faulty.__name__
 
 
 def test_metered_client_detects_changed_bf16_and_bool_elements() -> None:

@@ -17,7 +17,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from adapters.memory import AsyncMemoryStore, MemoryStore
 from adapters.rows import columns_equal
 from core.codec import jagged_lengths, to_jagged
-from shell.dataplane import AsyncDataPlaneClient, DataPlaneClient
+from shell.dataplane import AsyncDataPlaneClient, DataPlaneClient, TaggedGetClient
 
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -178,6 +178,24 @@ def test_put_merges_tags_and_keeps_lengths(store: DataPlaneClient, partition: st
     assert meta.fields == ("x", "y")
     store.put(["a"], partition, _ids(1), sequence_lengths=[7])
     assert store.describe(["a", "b"], partition).sequence_lengths == (7, 4)  # type: ignore[attr-defined]
+
+
+def test_get_with_tags_returns_the_columns_and_the_named_tags(store: DataPlaneClient, partition: str) -> None:
+    """get_with_tags gives what get gives and, per key in request order, the named tags that key holds."""
+    assert isinstance(store, TaggedGetClient)
+    batch = _every_kind(3, [3, 0, 2])
+    store.put(["a", "b", "c"], partition, batch, tags=[{"uid": 0, "d": 5}, {"uid": 1}, {"uid": 2, "d": -7}])
+    store.put(["b"], partition, _ids(1), tags=[{"d": 9}])  # tags merged across puts count
+    columns, tags = store.get_with_tags(["c", "b", "a"], partition, list(batch.keys()), ["d", "missing"])
+    _assert_columns(columns, batch, [2, 1, 0])
+    assert tags == ({"d": -7}, {"d": 9}, {"d": 5})
+    assert store.get_with_tags(["b"], partition, ["x"], [])[1] == ({},)
+    with pytest.raises(TypeError, match=r"'tag_names' must be a sequence of tag names, not a single string"):
+        store.get_with_tags(["b"], partition, ["x"], "d")
+    with pytest.raises(KeyError, match=r"1 keys are not stored in partition .*\['zz'\]"):
+        store.get_with_tags(["b", "zz"], partition, ["x"], ["d"])
+    with pytest.raises(KeyError, match=r"field 'x' is missing in partition .* for 2 keys: \['a', 'c'\]"):
+        store.get_with_tags(["a", "b", "c"], partition, ["x"], ["d"])
 
 
 def test_describe_lists_only_fields_every_key_holds(store: DataPlaneClient, partition: str) -> None:
