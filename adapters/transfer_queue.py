@@ -56,6 +56,13 @@ TQ quirks hidden here, once (TQ 0.1.11 with tensordict 0.15.3):
     are merged here and hidden from :meth:`TransferQueueStore.describe`. User
     tags stay native TQ tags (msgpack: tuples and sets come back as lists).
 
+On the Mooncake backend (:data:`MOONCAKE`, a key/value store that rejects
+zero-byte values and clears per field set) jagged tensor rows travel padded
+by one token and zero-byte columns as their row lengths, clears go one field
+set at a time, processes that attach lend Mooncake no memory (objects live in
+the owner's segment, so they outlive workers), and the owner stops the
+``mooncake_master`` that TQ starts but never stops.
+
 Not transactional: puts of the same key from several processes race on the
 key's tags (TQ merges tags on the client), and a TQ failure in the middle of a
 put may leave keys that already existed partly rewritten.
@@ -65,9 +72,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import json
 import os
 import pickle
+import shutil
+import subprocess
 import threading
 from collections.abc import Mapping, Sequence
 from importlib import resources
@@ -110,6 +120,9 @@ SPEC_TAG = "__kvspec__"
 LENGTH_TAG = "__kvlen__"
 """Reserved tag: the key's sequence length (an int), when a put gave one."""
 RESERVED_TAGS = frozenset({SPEC_TAG, LENGTH_TAG})
+
+MOONCAKE = "MooncakeStore"
+"""The storage backend that rejects zero-byte values: its stores pad jagged rows on the wire."""
 
 CONTROLLER_NAME = "TransferQueueController"
 CONTROLLER_NAMESPACE = "transfer_queue"
@@ -305,12 +318,17 @@ def plan_put(
     *,
     tags: Tags | None = None,
     sequence_lengths: SeqLens | None = None,
+    pad_rows: bool = False,
 ) -> PutPlan:
     """Check a put completely (arguments, reserved tags, every column) and encode it for TQ.
 
     Tensor columns are checked whole (:func:`adapters.rows.column_spec`) and
     sent as they are: TQ serialises them before the put returns, so the
-    store never aliases them.
+    store never aliases them. With ``pad_rows`` (a backend that rejects
+    zero-byte values, :data:`MOONCAKE`) jagged tensor columns travel with one
+    zero element appended to every row (:func:`pad_jagged_rows`), and a
+    tensor column whose rows hold no bytes at all as its row lengths
+    (:func:`zero_byte_placeholder`).
 
     Raises:
         TypeError: see :func:`shell.dataplane.validate_put` and :func:`adapters.rows.column_spec`.
@@ -328,7 +346,12 @@ def plan_put(
     payload = {}
     for name, value in read_columns_of(fields).items():
         spec = column_spec(name, value, n)
-        payload[wire_name(name, spec)] = encode_column(spec, value)
+        encoded = encode_column(spec, value)
+        if pad_rows and zero_byte_rows(spec):
+            encoded = zero_byte_placeholder(spec, encoded)
+        elif pad_rows and spec.kind == "jagged":
+            encoded = pad_jagged_rows(encoded)
+        payload[wire_name(name, spec)] = encoded
     return PutPlan(receipt, TensorDict(payload, batch_size=[n]), spec_tag(list(payload)))
 
 
@@ -351,6 +374,85 @@ def encode_column(spec: ColumnSpec, value: Any) -> torch.Tensor:
     flat = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
     offsets = torch.tensor([0, *(len(blob) for blob in blobs)], dtype=torch.int64).cumsum(0)
     return torch.nested.nested_tensor_from_jagged(flat, offsets)
+
+
+def pad_jagged_rows(column: torch.Tensor) -> torch.Tensor:
+    """A contiguous jagged copy of ``column`` with one zero element (token) appended to every row.
+
+    A backend that rejects zero-byte values (:data:`MOONCAKE`) can then store
+    empty rows; :func:`unpad_jagged_rows` is the inverse. Holes between the
+    input's rows are dropped.
+
+    Example:
+        >>> col = torch.nested.nested_tensor_from_jagged(torch.tensor([5, 6, 7]), torch.tensor([0, 2, 2, 3]))
+        >>> pad_jagged_rows(col).values().tolist(), pad_jagged_rows(col).offsets().tolist()
+        ([5, 6, 0, 0, 7, 0], [0, 3, 4, 6])
+    """
+    values, offsets, lengths = column.values(), column.offsets(), column.lengths()
+    lens = offsets.diff() if lengths is None else lengths.to(torch.int64)
+    n = lens.numel()
+    row = torch.repeat_interleave(torch.arange(n), lens)
+    within = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    padded = torch.zeros(n + 1, dtype=torch.int64)
+    padded[1:] = (lens + 1).cumsum(0)
+    out = values.new_zeros((int(padded[-1]), *values.shape[1:]))
+    out[padded[:-1][row] + within] = values[offsets[:-1][row] + within]
+    return torch.nested.nested_tensor_from_jagged(out, padded)
+
+
+def zero_byte_rows(spec: ColumnSpec) -> bool:
+    """Whether every row of a tensor column with ``spec`` holds zero bytes (a zero in its per-row shape)."""
+    return spec.kind in TENSOR_KINDS and 0 in spec.shape
+
+
+def zero_byte_placeholder(spec: ColumnSpec, column: torch.Tensor) -> torch.Tensor:
+    """What a key/value backend stores for a column of zero-byte rows: each row's length as ``(N,)`` int64.
+
+    The spec (dtype, shape) and these lengths determine the column, so
+    :func:`from_zero_byte_placeholder` rebuilds it bit for bit.
+    """
+    if spec.kind == "jagged":
+        offsets, lengths = column.offsets(), column.lengths()
+        return (offsets.diff() if lengths is None else lengths).to(torch.int64)
+    return torch.full((column.shape[0],), spec.shape[0], dtype=torch.int64)
+
+
+def from_zero_byte_placeholder(name: str, spec: ColumnSpec, value: Any, n: int) -> torch.Tensor:
+    """Inverse of :func:`zero_byte_placeholder` from what TQ returned (dense ``(N,)`` or rows of one element).
+
+    Raises:
+        RuntimeError: TQ returned another number of rows, or not an int64 tensor.
+    """
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.int64:
+        raise RuntimeError(f"TransferQueue returned field {name!r} as {type(value).__name__}: expected int64 row lengths")
+    lengths = value.values() if value.is_nested else value.reshape(-1)
+    if lengths.shape[0] != n:
+        raise RuntimeError(f"TransferQueue returned {lengths.shape[0]} rows of field {name!r}: expected {n}")
+    if spec.kind == "dense":
+        return torch.empty((n, *spec.shape), dtype=spec.torch_dtype)
+    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    values = torch.empty((int(offsets[-1]), *spec.shape), dtype=spec.torch_dtype)
+    return torch.nested.nested_tensor_from_jagged(values, offsets)
+
+
+def unpad_jagged_rows(name: str, column: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pad_jagged_rows`: a contiguous jagged tensor without each row's last element.
+
+    Raises:
+        RuntimeError: a row is empty, so it cannot have been padded (names the field).
+    """
+    values, offsets, lengths = column.values(), column.offsets(), column.lengths()
+    lens = offsets.diff() if lengths is None else lengths.to(torch.int64)
+    if bool((lens < 1).any()):
+        raise RuntimeError(f"TransferQueue returned an empty row of field {name!r}, which was stored padded")
+    n = lens.numel()
+    keep = lens - 1
+    row = torch.repeat_interleave(torch.arange(n), keep)
+    within = torch.arange(int(keep.sum())) - torch.repeat_interleave(keep.cumsum(0) - keep, keep)
+    kept = torch.zeros(n + 1, dtype=torch.int64)
+    kept[1:] = keep.cumsum(0)
+    return torch.nested.nested_tensor_from_jagged(values[offsets[:-1][row] + within].contiguous(), kept)
 
 
 def new_keys(plan: PutPlan, registered: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -469,8 +571,12 @@ def select_wires(meta: tq.BatchMeta, specs: Mapping[str, ColumnSpec], partition_
     return selected
 
 
-def decode_columns(specs: Mapping[str, ColumnSpec], data: TensorDict, n: int) -> TensorDict:
+def decode_columns(specs: Mapping[str, ColumnSpec], data: TensorDict, n: int, *, pad_rows: bool = False) -> TensorDict:
     """Rebuild the selected columns (``specs``, in selection order) from TQ's result, keyed by wire name.
+
+    With ``pad_rows`` the columns were stored as :func:`plan_put` with
+    ``pad_rows`` encodes them: jagged rows padded, zero-byte columns as
+    their row lengths.
 
     Raises:
         RuntimeError: TQ's result lacks a field or has another number of rows.
@@ -481,7 +587,13 @@ def decode_columns(specs: Mapping[str, ColumnSpec], data: TensorDict, n: int) ->
         wire = wire_name(name, spec)
         if wire not in data.keys():
             raise RuntimeError(f"TransferQueue returned no field {wire!r}: got fields {sorted(data.keys())}")
-        columns[name] = decode_column(name, spec, data.get(wire), n)
+        value = data.get(wire)
+        if pad_rows and zero_byte_rows(spec):
+            columns[name] = from_zero_byte_placeholder(name, spec, value, n)
+            continue
+        if pad_rows and spec.kind == "jagged" and isinstance(value, torch.Tensor) and value.is_nested:
+            value = unpad_jagged_rows(name, value)
+        columns[name] = decode_column(name, spec, value, n)
     return build_tensordict(columns, n)
 
 
@@ -489,9 +601,10 @@ def decode_column(name: str, spec: ColumnSpec, value: Any, n: int) -> Any:
     """One column in the kind ``spec`` records, from what TQ returned for its wire field.
 
     Whole-column ops only on the paths TQ takes: a dense ``(N,)`` field comes
-    back dense; a rectangular one as a jagged tensor whose rows all have
-    ``shape[0]`` entries (checked on the offsets in one op), reshaped to
-    ``(N, *shape)`` (a view of TQ's fresh buffer); a jagged one as is; an
+    back dense (SimpleStorage) or as rows of one element (Mooncake); a
+    rectangular one as a jagged tensor whose rows all have ``shape[0]``
+    entries (checked on the offsets in one op), reshaped to ``(N, *shape)``
+    (a view of TQ's fresh buffer); a jagged one as is; an
     object one as jagged ``uint8`` pickles. Any other form falls back to
     rows and :func:`adapters.rows.stack_column`, which checks every row.
 
@@ -514,9 +627,10 @@ def decode_column(name: str, spec: ColumnSpec, value: Any, n: int) -> Any:
             inner = tuple(shape[2:])
             if spec.kind == "jagged" and dtype == spec.torch_dtype and inner == spec.shape:
                 return value
-            if spec.kind == "dense" and spec.shape and dtype == spec.torch_dtype and inner == spec.shape[1:]:
+            width = spec.shape[0] if spec.shape else 1  # Mooncake returns an (N,) field as rows of one element
+            if spec.kind == "dense" and dtype == spec.torch_dtype and inner == spec.shape[1:]:
                 values = value.values()
-                if values.shape[0] == n * spec.shape[0] and bool((value.offsets().diff() == spec.shape[0]).all()):
+                if values.shape[0] == n * width and bool((value.offsets().diff() == width).all()):
                     return values.reshape(n, *spec.shape)
             if spec.kind not in TENSOR_KINDS and dtype == torch.uint8 and not inner:
                 flat = value.values().numpy().tobytes()
@@ -542,6 +656,19 @@ def _rows_of(name: str, value: Any, n: int) -> list[Any]:
     if len(rows) != n:
         raise RuntimeError(f"TransferQueue returned {len(rows)} rows of field {name!r}: expected {n}")
     return rows
+
+
+def field_set_groups(tags: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+    """Positions of keys grouped by the wire fields they hold (their spec tag), in first-seen order.
+
+    Example:
+        >>> field_set_groups([{SPEC_TAG: '["a@dense.int64."]'}, {}, {SPEC_TAG: '["a@dense.int64."]'}])
+        [[0, 2], [1]]
+    """
+    groups: dict[str, list[int]] = {}
+    for i, tag in enumerate(tags):
+        groups.setdefault(_spec_tag_of(tag) or "", []).append(i)
+    return list(groups.values())
 
 
 def describe_meta(keys: Sequence[str], partition_id: str, tags: Sequence[Mapping[str, Any]]) -> KVBatchMeta:
@@ -575,6 +702,79 @@ def _check_partition(partition_id: Any) -> None:
         raise TypeError(f"'partition_id' must be a str: got {type(partition_id).__name__}")
 
 
+# ---------------------------------------------------------------- backend processes
+
+
+def _prepare_mooncake(conf: DictConfig) -> None:
+    """Check that Mooncake can run before anything starts, and put ``mooncake_master`` on ``PATH``.
+
+    TQ starts the master by name; pip installs it inside the ``mooncake``
+    package (and into the environment's ``bin``, which is not on ``PATH`` when
+    Python is run by its full path), so that directory is appended to
+    ``PATH`` when the name is not found.
+
+    Raises:
+        RuntimeError: the ``mooncake`` package is missing or cannot load, or
+            TQ is to start the master and no ``mooncake_master`` exists.
+    """
+    hint = (
+        "install it with pip install mooncake-transfer-engine (GPU machines) or "
+        "mooncake-transfer-engine-non-cuda (CPU only); it needs the system libraries libibverbs1 and libnuma1"
+    )
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"backend {MOONCAKE!r} needs the 'mooncake' package: {hint}")
+    try:
+        importlib.import_module("mooncake.store")
+    except ImportError as e:
+        raise RuntimeError(f"backend {MOONCAKE!r}: the 'mooncake' package is installed but cannot load ({e}): {hint}") from e
+    if not conf.backend[MOONCAKE].auto_init or shutil.which("mooncake_master"):
+        return
+    for folder in list(spec.submodule_search_locations):
+        if os.access(os.path.join(folder, "mooncake_master"), os.X_OK):
+            os.environ["PATH"] = os.pathsep.join(p for p in (os.environ.get("PATH", ""), folder) if p)
+            return
+    raise RuntimeError(f"backend {MOONCAKE!r}: no 'mooncake_master' executable on PATH or in the mooncake package: {hint}")
+
+
+async def _drop_registered(client: tq.TransferQueueClient, meta: tq.BatchMeta) -> None:
+    """Undo the registration of keys whose first put failed; never raises.
+
+    ``clear_samples`` removes whatever data reached storage. A key/value
+    backend (Mooncake) refuses it when the keys hold no field yet, so the
+    keys are then dropped from the controller alone (TQ's own two steps of a
+    clear, without the storage step).
+    """
+    try:
+        await client.async_clear_samples(meta)
+    except Exception:
+        with contextlib.suppress(Exception):
+            await client._mark_clearing_in_controller(meta)
+            await client._clear_meta_in_controller(meta)
+
+
+def _backend_processes() -> tuple[subprocess.Popen, ...]:
+    """The local processes TQ started for its storage backend in this process (the Mooncake master)."""
+    started = getattr(getattr(tq, "interface", None), "_TQ_STORAGE", None) or {}
+    found: list[Any] = []
+    for resource in started.values():
+        found.extend(resource.values() if isinstance(resource, Mapping) else [resource])
+    return tuple(p for p in found if isinstance(p, subprocess.Popen))
+
+
+def _stop(processes: Sequence[subprocess.Popen]) -> None:
+    """Terminate ``processes`` (SIGTERM, then SIGKILL after 10 s) and reap them."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 # ---------------------------------------------------------------- stores
 
 
@@ -596,9 +796,18 @@ class TransferQueueStore:
         >>> store.close()  # doctest: +SKIP
     """
 
-    def __init__(self, *, owns_transfer_queue: bool = False, owns_ray: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        owns_transfer_queue: bool = False,
+        owns_ray: bool = False,
+        kv_backend: bool = False,
+        backend_processes: Sequence[subprocess.Popen] = (),
+    ) -> None:
         self._owns_tq = owns_transfer_queue
         self._owns_ray = owns_ray
+        self._kv_backend = kv_backend
+        self._backend_processes = tuple(backend_processes)
         self._closed = False
         self._lock = threading.Lock()
 
@@ -625,6 +834,9 @@ class TransferQueueStore:
             RuntimeError: a TransferQueue already runs on this Ray cluster (use :meth:`attach`).
         """
         conf = resolve_config(config)
+        mooncake = conf.backend.storage_backend == MOONCAKE
+        if mooncake:
+            _prepare_mooncake(conf)
         owns_ray = not ray.is_initialized()
         if owns_ray:
             ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, namespace=RAY_NAMESPACE)
@@ -637,14 +849,16 @@ class TransferQueueStore:
             try:
                 tq.init(conf)
             except BaseException:
+                processes = _backend_processes()
                 with contextlib.suppress(Exception):
                     tq.close()
+                _stop(processes)
                 raise
         except BaseException:
             if owns_ray:
                 ray.shutdown()
             raise
-        return cls(owns_transfer_queue=True, owns_ray=owns_ray)
+        return cls(owns_transfer_queue=True, owns_ray=owns_ray, kv_backend=mooncake, backend_processes=_backend_processes())
 
     @classmethod
     def attach(cls) -> TransferQueueStore:
@@ -668,8 +882,15 @@ class TransferQueueStore:
                 f"no TransferQueue is running on this Ray cluster (no actor {CONTROLLER_NAME!r} in namespace "
                 f"{CONTROLLER_NAMESPACE!r}): start one with TransferQueueStore.start()"
             )
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+        conf = ray.get(controller.get_config.remote())
+        backend = conf.backend.storage_backend
+        if backend == MOONCAKE and tq.interface._TQ_CLIENT is None:
+            # Lend no memory: objects then live in the owner's segment and outlive this process.
+            conf.backend[MOONCAKE].global_segment_size = 0
+            tq.interface._maybe_create_tq_client(conf)
         tq.init()
-        return cls()
+        return cls(kv_backend=backend == MOONCAKE)
 
     @property
     def owns_transfer_queue(self) -> bool:
@@ -702,7 +923,7 @@ class TransferQueueStore:
                 reserved name (``__kvspec__``, ``__kvlen__``).
         """
         self._check_open()
-        plan = plan_put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+        plan = plan_put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, pad_rows=self._kv_backend)
         client = self._client()
         meta = client.kv_retrieve_meta(keys=list(plan.receipt.keys), partition_id=partition_id, create=True)
         fresh = new_keys(plan, meta.custom_meta)
@@ -711,8 +932,8 @@ class TransferQueueStore:
             client.put(plan.payload, metadata=meta)
         except BaseException:
             if fresh:
-                with contextlib.suppress(Exception):
-                    client.clear_samples(meta.select_samples(fresh))
+                with contextlib.suppress(Exception):  # e.g. TQ's event loop is gone too
+                    client._run_coroutine(_drop_registered(client, meta.select_samples(fresh)))
             raise
         return plan.receipt
 
@@ -754,7 +975,7 @@ class TransferQueueStore:
         specs = plan_get(keys, partition_id, names, meta.custom_meta)
         tags = pick_tags(meta.custom_meta, tag_names)
         selected = select_wires(meta, specs, partition_id)
-        return decode_columns(specs, client.get_data(selected), len(keys)), tags
+        return decode_columns(specs, client.get_data(selected), len(keys), pad_rows=self._kv_backend), tags
 
     def clear(self, keys: Keys, partition_id: str) -> None:
         """Remove ``keys`` (all their fields, tags and lengths) from ``partition_id``.
@@ -775,7 +996,14 @@ class TransferQueueStore:
         client = self._client()
         meta = client.kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
         self._check_found(client, keys, partition_id, meta)
-        client.clear_samples(meta)
+        groups = field_set_groups(meta.custom_meta) if self._kv_backend else []
+        if len(groups) <= 1:
+            client.clear_samples(meta)
+            return
+        # A key/value backend removes (field, key) pairs of the fields every cleared key holds: one clear per field set.
+        for group in groups:
+            subset = [keys[i] for i in group]
+            client.clear_samples(client.kv_retrieve_meta(keys=subset, partition_id=partition_id, create=False))
 
     def list_keys(self, partition_id: str) -> tuple[str, ...]:
         """The keys stored in ``partition_id``, in first-put order (empty if unknown).
@@ -812,7 +1040,10 @@ class TransferQueueStore:
             self._closed = True
         try:
             if self._owns_tq:
-                tq.close()
+                try:
+                    tq.close()
+                finally:
+                    _stop(self._backend_processes)  # TQ leaves the Mooncake master running
         finally:
             if self._owns_ray:
                 ray.shutdown()
@@ -889,7 +1120,9 @@ class AsyncTransferQueueStore:
     ) -> KVBatchMeta:
         """See :meth:`TransferQueueStore.put`."""
         self._store._check_open()
-        plan = plan_put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+        plan = plan_put(
+            keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, pad_rows=self._store._kv_backend
+        )
         client = self._store._client()
         meta = await client.async_kv_retrieve_meta(keys=list(plan.receipt.keys), partition_id=partition_id, create=True)
         fresh = new_keys(plan, meta.custom_meta)
@@ -898,8 +1131,7 @@ class AsyncTransferQueueStore:
             await client.async_put(plan.payload, metadata=meta)
         except BaseException:
             if fresh:
-                with contextlib.suppress(Exception):
-                    await client.async_clear_samples(meta.select_samples(fresh))
+                await _drop_registered(client, meta.select_samples(fresh))
             raise
         return plan.receipt
 
@@ -912,7 +1144,7 @@ class AsyncTransferQueueStore:
         await self._check_found(client, keys, partition_id, meta)
         specs = plan_get(keys, partition_id, names, meta.custom_meta)
         selected = select_wires(meta, specs, partition_id)
-        return decode_columns(specs, await client.async_get_data(selected), len(keys))
+        return decode_columns(specs, await client.async_get_data(selected), len(keys), pad_rows=self._store._kv_backend)
 
     async def clear(self, keys: Keys, partition_id: str) -> None:
         """See :meth:`TransferQueueStore.clear`."""
@@ -923,7 +1155,15 @@ class AsyncTransferQueueStore:
         client = self._store._client()
         meta = await client.async_kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
         await self._check_found(client, keys, partition_id, meta)
-        await client.async_clear_samples(meta)
+        groups = field_set_groups(meta.custom_meta) if self._store._kv_backend else []
+        if len(groups) <= 1:
+            await client.async_clear_samples(meta)
+            return
+        for group in groups:  # see TransferQueueStore.clear
+            subset = [keys[i] for i in group]
+            await client.async_clear_samples(
+                await client.async_kv_retrieve_meta(keys=subset, partition_id=partition_id, create=False)
+            )
 
     async def list_keys(self, partition_id: str) -> tuple[str, ...]:
         """See :meth:`TransferQueueStore.list_keys`."""

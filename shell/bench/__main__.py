@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     dataplane.add_argument("--rows", type=int, default=256, help="rows in the payload (default 256)")
     dataplane.add_argument("--profile", action="store_true", help="also profile the adapter's put and get")
+    dataplane.add_argument(
+        "--tq-backend", choices=("SimpleStorage", "MooncakeStore"), default="SimpleStorage",
+        help="TransferQueue storage backend (default SimpleStorage; MooncakeStore needs the mooncake package)",
+    )
     dataplane.add_argument("--markdown", action="store_true", help="print Markdown tables")
     policy = sub.add_parser("policy", help="bytes through the driver and wall time: legacy vs data-plane policy")
     policy.add_argument("--repeats", type=int, default=3, help="timed calls per path (default 3)")
@@ -45,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         from shell.bench.dataplane import DataplaneConfig
         from shell.bench.dataplane import run as run_dataplane
 
-        run_dataplane(DataplaneConfig(rows=args.rows, repeats=args.repeats, profile=args.profile), report)
+        run_dataplane(
+            DataplaneConfig(rows=args.rows, repeats=args.repeats, profile=args.profile, tq_backend=args.tq_backend), report
+        )
     elif args.name == "policy":
         from shell.bench.policy import PolicyBenchConfig
         from shell.bench.policy import run as run_policy

@@ -71,6 +71,8 @@ class DataplaneConfig:
     repeats: int = 30
     seed: int = 0
     profile: bool = False
+    tq_backend: str = "SimpleStorage"
+    """TransferQueue's storage backend; ``MooncakeStore`` runs over TCP with segments sized by :data:`MOONCAKE_BENCH`."""
 
 
 @attrs.frozen
@@ -80,6 +82,15 @@ class Transport:
     put: Callable[[list[str], str, TensorDict], Any]
     get: Callable[[list[str], str, Any], Any]
     clear: Callable[[list[str], str, Any], None]
+
+
+MOONCAKE_BENCH = {
+    "backend": {
+        "storage_backend": "MooncakeStore",
+        "MooncakeStore": {"protocol": "tcp", "global_segment_size": 1 << 30, "local_buffer_size": 256 << 20},
+    }
+}
+"""TransferQueue settings of ``--tq-backend MooncakeStore``: TCP, a 1 GiB segment (the rounds' keys are cleared as they go)."""
 
 
 def payload(cfg: DataplaneConfig) -> tuple[TensorDict, int]:
@@ -199,7 +210,7 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
     """Measure every transport into ``report``."""
     td, nbytes = payload(cfg)
     report.start(total=cfg.repeats + 2, description="data-plane benchmark")
-    store = TransferQueueStore.start()
+    store = TransferQueueStore.start(MOONCAKE_BENCH if cfg.tq_backend == "MooncakeStore" else {"backend": {"storage_backend": cfg.tq_backend}})
     try:
         memory = MemoryStore()
         transports: dict[str, Transport] = {
@@ -255,7 +266,7 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
         med = {name: (statistics.median(puts[name]), statistics.median(gets[name])) for name in names}
         raw_put, raw_get = med[RAW_TQ]
         report.table(
-            f"store throughput: {cfg.rows} rows, {nbytes / 1e6:.1f} MB payload, median over {cfg.repeats} rounds of 2 calls",
+            f"store throughput ({cfg.tq_backend}): {cfg.rows} rows, {nbytes / 1e6:.1f} MB payload, median over {cfg.repeats} rounds of 2 calls",
             ["transport", "put MB/s", "get MB/s", "put ms", "get ms", "put time / raw TQ", "get time / raw TQ"],
             [[name, f"{nbytes / p / 1e6:.0f}", f"{nbytes / g / 1e6:.0f}", f"{p * 1e3:.1f}", f"{g * 1e3:.1f}",
               f"{p / raw_put:.2f}", f"{g / raw_get:.2f}"] for name, (p, g) in med.items()],

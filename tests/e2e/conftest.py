@@ -13,6 +13,11 @@ one attached client per test.
 
 Tests use their own ``partition`` (a fresh uuid) so a store shared across tests
 never mixes their keys.
+
+``RLDP_TEST_TQ_BACKEND=MooncakeStore`` runs the session's TransferQueue on the
+Mooncake backend (TCP, small segments) instead of SimpleStorage, so every
+TransferQueue test checks that backend too; it needs the ``mooncake`` package
+(``mooncake-transfer-engine-non-cuda`` on CPU machines).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -85,15 +91,32 @@ def ray_cluster() -> Iterator[None]:
         ray.shutdown()
 
 
+TQ_BACKEND = os.environ.get("RLDP_TEST_TQ_BACKEND", "SimpleStorage")
+"""The storage backend of the session's TransferQueue (see the module docstring)."""
+
+TQ_TEST_CONFIGS: dict[str, dict[str, Any]] = {
+    "SimpleStorage": {},
+    "MooncakeStore": {
+        "backend": {
+            "storage_backend": "MooncakeStore",
+            "MooncakeStore": {"protocol": "tcp", "global_segment_size": 256 << 20, "local_buffer_size": 128 << 20},
+        }
+    },
+}
+"""TransferQueue settings per backend for the test session (Mooncake: segments sized for a 24 GiB machine)."""
+
+
 @pytest.fixture(scope="session")
 def tq_store_session(ray_cluster: None) -> Iterator[TransferQueueStore]:
-    """TransferQueue (SimpleStorage) started once on the session's Ray cluster; the owning store.
+    """TransferQueue (``TQ_BACKEND``, SimpleStorage by default) started once on the session's Ray cluster; the owning store.
 
     Teardown closes it twice (the second close must be a no-op) and checks
     that TransferQueue's controller is gone while Ray, which this store did not
     start, keeps running.
     """
-    store = TransferQueueStore.start()
+    if TQ_BACKEND not in TQ_TEST_CONFIGS:
+        raise pytest.UsageError(f"RLDP_TEST_TQ_BACKEND must be one of {sorted(TQ_TEST_CONFIGS)}: got {TQ_BACKEND!r}")
+    store = TransferQueueStore.start(TQ_TEST_CONFIGS[TQ_BACKEND] or None)
     try:
         yield store
     finally:

@@ -24,6 +24,7 @@ import pytest
 import ray
 import torch
 import transfer_queue as tq
+from hypothesis import given
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from adapters.memory import MemoryStore
@@ -32,18 +33,24 @@ from adapters.transfer_queue import (
     AsyncTransferQueueStore,
     TransferQueueStore,
     decode_column,
+    field_set_groups,
+    from_zero_byte_placeholder,
     is_running,
     known_backends,
     merge_spec_tags,
+    pad_jagged_rows,
     parse_spec_tag,
     parse_wire_name,
     resolve_config,
     spec_tag,
+    unpad_jagged_rows,
     wire_name,
+    zero_byte_placeholder,
 )
 from core.codec import jagged_lengths, to_jagged
 from shell.dataplane import AsyncDataPlaneClient, DataPlaneClient
-from tests.e2e.conftest import ROOT
+from tests.e2e.conftest import ROOT, TQ_BACKEND
+from tests.property.strategies import digest_columns
 
 pytestmark = pytest.mark.e2e
 
@@ -320,6 +327,59 @@ def test_describe_hides_reserved_tags_and_reports_lengths(tq_store_session: Tran
 # ---------------------------------------------------------------- wire format
 
 
+def _rows(column: torch.Tensor) -> list[torch.Tensor]:
+    return list(column.unbind())
+
+
+@given(digest_columns(max_rows=5, max_len=5).filter(lambda c: c.is_nested and c.shape[0] > 0))
+def test_pad_jagged_rows_round_trips_and_leaves_no_row_empty(column: torch.Tensor) -> None:
+    """unpad(pad(c)) has c's rows bit for bit; every padded row is one token longer, so never zero bytes."""
+    padded = pad_jagged_rows(column)
+    assert padded.lengths() is None and int(padded.offsets()[0]) == 0
+    lengths = jagged_lengths(column)
+    assert jagged_lengths(padded) == tuple(n + 1 for n in lengths)
+    back = unpad_jagged_rows("f", padded)
+    assert jagged_lengths(back) == lengths and back.dtype == column.dtype
+    for got, want in zip(_rows(back), _rows(column)):
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+
+
+def test_unpad_jagged_rows_rejects_an_empty_row() -> None:
+    """A stored row with no token cannot have been padded: RuntimeError naming the field."""
+    with pytest.raises(RuntimeError, match=r"empty row of field 'ids', which was stored padded"):
+        unpad_jagged_rows("ids", to_jagged(torch.ones(2, 3), [2, 0]))
+
+
+@pytest.mark.parametrize(
+    ("spec", "column"),
+    [
+        (ColumnSpec("dense", "float16", (0,)), torch.zeros(3, 0, dtype=torch.float16)),
+        (ColumnSpec("dense", "int64", (2, 0)), torch.zeros(2, 2, 0, dtype=torch.int64)),
+        (ColumnSpec("jagged", "bool", (0,)), to_jagged(torch.zeros(3, 4, 0, dtype=torch.bool), [4, 0, 1])),
+    ],
+    ids=str,
+)
+def test_zero_byte_placeholder_round_trips(spec: ColumnSpec, column: torch.Tensor) -> None:
+    """A column of zero-byte rows travels as its row lengths and comes back in its kind, dtype and shape,
+    from a dense placeholder (SimpleStorage) or rows of one element (Mooncake)."""
+    placeholder = zero_byte_placeholder(spec, column)
+    n = column.shape[0]
+    assert placeholder.dtype == torch.int64 and placeholder.shape == (n,)
+    for wire in (placeholder, torch.nested.nested_tensor_from_jagged(placeholder, torch.arange(n + 1))):
+        back = from_zero_byte_placeholder("f", spec, wire, n)
+        assert columns_equal(back, column)
+    with pytest.raises(RuntimeError, match=rf"returned {n - 1} rows of field 'f': expected {n}"):
+        from_zero_byte_placeholder("f", spec, placeholder[:-1], n)
+
+
+def test_field_set_groups_groups_keys_by_their_spec_tag() -> None:
+    """Keys holding the same wire fields share a group, in first-seen order; keys without fields form one."""
+    a, b = spec_tag(["x@dense.int64."]), spec_tag(["x@dense.float32."])
+    tags = [{"__kvspec__": a}, {}, {"__kvspec__": b, "u": 1}, {"__kvspec__": a}]
+    assert field_set_groups(tags) == [[0, 3], [1], [2]]
+
+
+
 @pytest.mark.parametrize("name", ["x", "a@b", "a.b@dense.int8.", "5x3", ""])
 @pytest.mark.parametrize(
     "spec",
@@ -432,7 +492,8 @@ def test_put_stores_native_columns_under_wire_fields_with_flat_tags(
     assert list(parse_spec_tag(tags["__kvspec__"])) == list(fields.keys())
     wire = "logprobs@jagged.bfloat16."
     raw = tq.kv_batch_get(keys=["c", "a"], partition_id=partition, select_fields=[wire])[wire]
-    assert raw.dtype == torch.bfloat16 and jagged_lengths(raw) == (1, 2)
+    padding = 1 if TQ_BACKEND == "MooncakeStore" else 0  # a key/value backend stores each row padded by one token
+    assert raw.dtype == torch.bfloat16 and jagged_lengths(raw) == (1 + padding, 2 + padding)
     store.clear(["a", "b", "c"], partition)
     store.close()
 
@@ -502,3 +563,30 @@ def test_async_transfer_queue_store_rejects_a_non_store() -> None:
     """AsyncTransferQueueStore wraps only a TransferQueueStore."""
     with pytest.raises(TypeError, match=r"'store' must be a TransferQueueStore: got dict"):
         AsyncTransferQueueStore({})  # type: ignore[arg-type]
+
+
+def test_start_with_mooncake_missing_fails_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a loadable 'mooncake' package, start() names the pip package to install and starts nothing."""
+    import adapters.transfer_queue as adapter
+
+    config = {"backend": {"storage_backend": "MooncakeStore"}}
+    running = is_running()
+    real_find_spec = adapter.importlib.util.find_spec
+    monkeypatch.setattr(
+        adapter.importlib.util, "find_spec", lambda name, *a: None if name == "mooncake" else real_find_spec(name, *a)
+    )
+    with pytest.raises(RuntimeError, match=r"needs the 'mooncake' package: install it with pip install mooncake-transfer-engine"):
+        TransferQueueStore.start(config)
+    monkeypatch.undo()
+    real_import = adapter.importlib.import_module
+
+    def broken(name: str, *args: Any) -> Any:
+        if name == "mooncake.store":
+            raise ImportError("libibverbs.so.1: cannot open shared object file")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(adapter.importlib, "import_module", broken)
+    monkeypatch.setattr(adapter.importlib.util, "find_spec", lambda name, *a: real_find_spec("json") if name == "mooncake" else real_find_spec(name, *a))
+    with pytest.raises(RuntimeError, match=r"installed but cannot load \(libibverbs.so.1: .*\): .*libnuma1"):
+        TransferQueueStore.start(config)
+    assert is_running() == running
