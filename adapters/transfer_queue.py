@@ -391,13 +391,45 @@ def pad_jagged_rows(column: torch.Tensor) -> torch.Tensor:
     values, offsets, lengths = column.values(), column.offsets(), column.lengths()
     lens = offsets.diff() if lengths is None else lengths.to(torch.int64)
     n = lens.numel()
-    row = torch.repeat_interleave(torch.arange(n), lens)
-    within = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
     padded = torch.zeros(n + 1, dtype=torch.int64)
     padded[1:] = (lens + 1).cumsum(0)
+    if lengths is None and int(offsets[0]) == 0 and int(offsets[-1]) == values.shape[0] and values.numel():
+        # Rows back to back (the usual case): one vectorised insert of a zero token after each row.
+        tokens = _token_bytes(values)
+        out = np.zeros((int(padded[-1]), *tokens.shape[1:]), dtype=tokens.dtype)
+        out[_token_mask(out.shape[0], padded[1:].numpy() - 1)] = tokens
+        return torch.nested.nested_tensor_from_jagged(_from_token_bytes(out, values), padded)
+    row = torch.repeat_interleave(torch.arange(n), lens)
+    within = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
     out = values.new_zeros((int(padded[-1]), *values.shape[1:]))
     out[padded[:-1][row] + within] = values[offsets[:-1][row] + within]
     return torch.nested.nested_tensor_from_jagged(out, padded)
+
+
+_TOKEN_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _token_bytes(values: torch.Tensor) -> np.ndarray:
+    """``values`` (tokens along dim 0, non-empty) as a numpy view with one entry per token:
+    ``(tokens,)`` unsigned words when a token is 1, 2, 4 or 8 bytes, else ``(tokens, bytes)`` uint8."""
+    raw = values.contiguous().reshape(values.shape[0], -1).view(torch.uint8).numpy()
+    word = _TOKEN_WORDS.get(raw.shape[1])
+    return raw.view(word).reshape(-1) if word is not None else raw
+
+
+def _from_token_bytes(tokens: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_token_bytes`: tokens of ``like``'s dtype and per-token shape."""
+    if tokens.shape[0] == 0:
+        return torch.empty((0, *like.shape[1:]), dtype=like.dtype)
+    raw = np.ascontiguousarray(tokens).view(np.uint8).reshape(tokens.shape[0], -1)
+    return torch.from_numpy(raw).view(like.dtype).reshape(tokens.shape[0], *like.shape[1:])
+
+
+def _token_mask(size: int, holes: np.ndarray) -> np.ndarray:
+    """A boolean mask of ``size`` tokens, False at ``holes``."""
+    mask = np.ones(size, dtype=bool)
+    mask[holes] = False
+    return mask
 
 
 def zero_byte_rows(spec: ColumnSpec) -> bool:
@@ -448,10 +480,14 @@ def unpad_jagged_rows(name: str, column: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"TransferQueue returned an empty row of field {name!r}, which was stored padded")
     n = lens.numel()
     keep = lens - 1
-    row = torch.repeat_interleave(torch.arange(n), keep)
-    within = torch.arange(int(keep.sum())) - torch.repeat_interleave(keep.cumsum(0) - keep, keep)
     kept = torch.zeros(n + 1, dtype=torch.int64)
     kept[1:] = keep.cumsum(0)
+    if lengths is None and int(offsets[0]) == 0 and int(offsets[-1]) == values.shape[0] and values.numel():
+        tokens = _token_bytes(values)
+        tokens = tokens[_token_mask(tokens.shape[0], offsets[1:].numpy() - 1)]  # drop each row's last token
+        return torch.nested.nested_tensor_from_jagged(_from_token_bytes(tokens, values), kept)
+    row = torch.repeat_interleave(torch.arange(n), keep)
+    within = torch.arange(int(keep.sum())) - torch.repeat_interleave(keep.cumsum(0) - keep, keep)
     return torch.nested.nested_tensor_from_jagged(values[offsets[:-1][row] + within].contiguous(), kept)
 
 
