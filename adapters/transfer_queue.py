@@ -388,22 +388,44 @@ def pad_jagged_rows(column: torch.Tensor) -> torch.Tensor:
         >>> pad_jagged_rows(col).values().tolist(), pad_jagged_rows(col).offsets().tolist()
         ([5, 6, 0, 0, 7, 0], [0, 3, 4, 6])
     """
+    values, lens = _back_to_back(column)
+    padded = _row_offsets(lens + 1)
+    out = _with_zero_tokens(values, int(padded[-1]), padded[1:].numpy() - 1)
+    return torch.nested.nested_tensor_from_jagged(out, padded)
+
+
+def _back_to_back(column: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, lengths)`` of a jagged column with its rows back to back from token 0 (as is when they already are)."""
     values, offsets, lengths = column.values(), column.offsets(), column.lengths()
     lens = offsets.diff() if lengths is None else lengths.to(torch.int64)
-    n = lens.numel()
-    padded = torch.zeros(n + 1, dtype=torch.int64)
-    padded[1:] = (lens + 1).cumsum(0)
-    if lengths is None and int(offsets[0]) == 0 and int(offsets[-1]) == values.shape[0] and values.numel():
-        # Rows back to back (the usual case): one vectorised insert of a zero token after each row.
-        tokens = _token_bytes(values)
-        out = np.zeros((int(padded[-1]), *tokens.shape[1:]), dtype=tokens.dtype)
-        out[_token_mask(out.shape[0], padded[1:].numpy() - 1)] = tokens
-        return torch.nested.nested_tensor_from_jagged(_from_token_bytes(out, values), padded)
-    row = torch.repeat_interleave(torch.arange(n), lens)
-    within = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
-    out = values.new_zeros((int(padded[-1]), *values.shape[1:]))
-    out[padded[:-1][row] + within] = values[offsets[:-1][row] + within]
-    return torch.nested.nested_tensor_from_jagged(out, padded)
+    if lengths is not None or int(offsets[0]) != 0 or int(offsets[-1]) != values.shape[0]:
+        values = torch.cat([values[a : a + n] for a, n in zip(offsets[:-1].tolist(), lens.tolist())])
+    return values, lens
+
+
+def _row_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """Offsets (``N + 1``, from 0) of rows of ``lengths`` laid back to back."""
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    return offsets
+
+
+def _with_zero_tokens(values: torch.Tensor, size: int, zeros: np.ndarray) -> torch.Tensor:
+    """``size`` tokens: zero ones at positions ``zeros``, the tokens of ``values`` in order elsewhere."""
+    if not values.numel():
+        return values.new_zeros((size, *values.shape[1:]))
+    tokens = _token_bytes(values)
+    out = np.zeros((size, *tokens.shape[1:]), dtype=tokens.dtype)
+    out[_token_mask(size, zeros)] = tokens
+    return _from_token_bytes(out, values)
+
+
+def _without_tokens(values: torch.Tensor, drop: np.ndarray) -> torch.Tensor:
+    """The tokens of ``values`` except those at positions ``drop``, in order."""
+    if not values.numel():
+        return values.new_zeros((values.shape[0] - len(drop), *values.shape[1:]))
+    tokens = _token_bytes(values)
+    return _from_token_bytes(tokens[_token_mask(tokens.shape[0], drop)], values)
 
 
 _TOKEN_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -462,8 +484,7 @@ def from_zero_byte_placeholder(name: str, spec: ColumnSpec, value: Any, n: int) 
         raise RuntimeError(f"TransferQueue returned {lengths.shape[0]} rows of field {name!r}: expected {n}")
     if spec.kind == "dense":
         return torch.empty((n, *spec.shape), dtype=spec.torch_dtype)
-    offsets = torch.zeros(n + 1, dtype=torch.int64)
-    offsets[1:] = lengths.cumsum(0)
+    offsets = _row_offsets(lengths)
     values = torch.empty((int(offsets[-1]), *spec.shape), dtype=spec.torch_dtype)
     return torch.nested.nested_tensor_from_jagged(values, offsets)
 
@@ -474,21 +495,11 @@ def unpad_jagged_rows(name: str, column: torch.Tensor) -> torch.Tensor:
     Raises:
         RuntimeError: a row is empty, so it cannot have been padded (names the field).
     """
-    values, offsets, lengths = column.values(), column.offsets(), column.lengths()
-    lens = offsets.diff() if lengths is None else lengths.to(torch.int64)
+    values, lens = _back_to_back(column)
     if bool((lens < 1).any()):
         raise RuntimeError(f"TransferQueue returned an empty row of field {name!r}, which was stored padded")
-    n = lens.numel()
-    keep = lens - 1
-    kept = torch.zeros(n + 1, dtype=torch.int64)
-    kept[1:] = keep.cumsum(0)
-    if lengths is None and int(offsets[0]) == 0 and int(offsets[-1]) == values.shape[0] and values.numel():
-        tokens = _token_bytes(values)
-        tokens = tokens[_token_mask(tokens.shape[0], offsets[1:].numpy() - 1)]  # drop each row's last token
-        return torch.nested.nested_tensor_from_jagged(_from_token_bytes(tokens, values), kept)
-    row = torch.repeat_interleave(torch.arange(n), keep)
-    within = torch.arange(int(keep.sum())) - torch.repeat_interleave(keep.cumsum(0) - keep, keep)
-    return torch.nested.nested_tensor_from_jagged(values[offsets[:-1][row] + within].contiguous(), kept)
+    out = _without_tokens(values, _row_offsets(lens)[1:].numpy() - 1)  # each row's last token
+    return torch.nested.nested_tensor_from_jagged(out, _row_offsets(lens - 1))
 
 
 def new_keys(plan: PutPlan, registered: Sequence[Mapping[str, Any]]) -> list[int]:
