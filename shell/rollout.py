@@ -5,9 +5,11 @@ policy workers push after every train step (``PolicyWorker.push_weights``).
 For each prompt it samples ``num_generations`` responses at the configured
 temperature, scores them with the task, and then either
 
-* data plane: does the step's single bulk write (:func:`shell.column_io.first_write`)
-  under keys ``f"{uid}_g{i}"`` and returns only the receipt and the carry; or
-* legacy: returns the bulk batch itself, which then travels through the driver.
+* data plane (a ``partition_id``): does the step's single bulk write
+  (:func:`shell.column_io.first_write`) under keys ``f"{uid}_g{i}"`` and
+  returns only the receipt and the carry; or
+* legacy (no partition): returns the same keys and lengths plus the bulk batch
+  itself, which then travels through the driver.
 
 Invariant: for the same weights, prompts, seed, step and batch index, both
 modes build the same rows (same tokens, masks, lengths and rewards): the
@@ -21,21 +23,24 @@ from typing import Any
 
 import attrs
 import torch
-from tensordict import TensorDict
 
-from adapters.megatron import MegatronGPTBackend, TinyGPTConfig
+from adapters.megatron import MegatronGPTBackend
 from adapters.rows import build_tensordict
+from core.fields import INPUT_IDS, LENGTHS, TOKEN_MASK
 from core.meta import KVBatchMeta
+from core.model_config import TinyGPTConfig
 from core.rollout_carry import RolloutCarry
 from core.task import EOS_ID, Prompt, Task
 from shell.column_io import first_write
 from shell.dataplane import DataPlaneClient
-from shell.loss import TOKEN_MASK
-from shell.policy_worker import INPUT_IDS, LENGTHS, client_io
-from shell.worker_group import Worker
+from shell.policy_worker import client_io
+from shell.step_rows import StepRows
+from shell.worker import Worker, on_all_ranks
 
 ClientFactory = Callable[[], DataPlaneClient]
 ROLLOUT_TOKEN_FIELDS: tuple[str, ...] = (INPUT_IDS, TOKEN_MASK)
+LEGACY_PARTITION = "legacy"
+"""The partition named by the metas of rows that travel through the driver (nothing is stored there)."""
 _SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
@@ -78,19 +83,18 @@ class RolloutConfig:
 
 @attrs.frozen
 class RolloutResult:
-    """One generation batch: the carry, plus the receipt (data plane) or the bulk batch (legacy).
+    """One generation batch: the carry and the rows (the receipt of the bulk write, or the bulk batch itself).
 
     Attributes:
         carry: per-row rewards, lengths, groups, question ids and truncation flags.
-        meta: the receipt of the bulk write (data plane), else None.
-        batch: ``input_ids`` [N, S], ``token_mask`` [N, S], ``lengths`` [N] (legacy), else None.
+        rows: the batch's meta (keys, lengths, fields) and, on the legacy path,
+            its bulk batch: ``input_ids`` [N, S], ``token_mask`` [N, S], ``lengths`` [N].
         data_plane: the engine's store activity (``{"ms", "bytes"}``).
         responses: the decoded response text of the first rows (for logging samples).
     """
 
     carry: RolloutCarry
-    meta: KVBatchMeta | None
-    batch: TensorDict | None
+    rows: StepRows
     data_plane: Mapping[str, float]
     responses: tuple[str, ...]
 
@@ -106,6 +110,7 @@ class RolloutWorker(Worker):
         self._client: DataPlaneClient | None = None
         self._backend: MegatronGPTBackend | None = None
 
+    @on_all_ranks
     def setup(self) -> None:
         """Build the engine's model (the seed's initial weights) and, for the data plane, open the store client."""
         torch.set_num_threads(self.config.torch_threads)
@@ -123,17 +128,20 @@ class RolloutWorker(Worker):
             RuntimeError: ``setup`` has not run.
         """
         if self._backend is None:
-            raise RuntimeError("the rollout engine is not built; call group.run_all('setup') first")
+            raise RuntimeError("the rollout engine is not built; call group.call(RolloutWorker.setup) first")
         return self._backend
 
+    @on_all_ranks
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """Refit: load the policy's full weights."""
         self.backend.load_state_dict(state)
 
+    @on_all_ranks
     def weights(self) -> dict[str, torch.Tensor]:
         """The engine's full weights (to check a refit)."""
         return self.backend.state_dict()
 
+    @on_all_ranks
     def generate(
         self,
         prompts: Sequence[Prompt],
@@ -200,10 +208,11 @@ class RolloutWorker(Worker):
         )
         text = tuple(task.tokenizer.decode(r) for r in responses[:num_texts])
         columns = {INPUT_IDS: sequences, TOKEN_MASK: token_mask}
+        keys = [key for j in range(len(prompts)) for key in row_keys(f"{key_prefix}s{step}b{batch_index}p{j}", num_generations)]
         if partition_id is None:
             batch = build_tensordict({**columns, LENGTHS: lengths}, len(encoded))
-            return RolloutResult(carry, None, batch, {"ms": 0.0, "bytes": 0.0}, text)
-        keys = [key for j in range(len(prompts)) for key in row_keys(f"{key_prefix}s{step}b{batch_index}p{j}", num_generations)]
+            meta = KVBatchMeta(LEGACY_PARTITION, keys, fields=list(columns), sequence_lengths=lengths.tolist())
+            return RolloutResult(carry, StepRows(meta, batch), {"ms": 0.0, "bytes": 0.0}, text)
         meta = first_write(
             self._client,  # type: ignore[arg-type]
             columns,
@@ -212,8 +221,9 @@ class RolloutWorker(Worker):
             lengths=lengths.tolist(),
             token_fields=ROLLOUT_TOKEN_FIELDS,
         )
-        return RolloutResult(carry, meta, None, client_io(self._client), text)
+        return RolloutResult(carry, StepRows(meta), client_io(self._client), text)
 
+    @on_all_ranks
     def close_client(self) -> None:
         """Close the store client (a no-op without one)."""
         if self._client is not None:

@@ -95,13 +95,15 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def _write_processes(trainer: Any, path: Path) -> None:
+    from shell.worker import Worker
+
     policy = trainer.policy.group if trainer.policy is not None else None
     rollout = trainer.rollout
     info: dict[str, Any] = {"driver": os.getpid()}
     if policy is not None:
-        info["policy"] = {str(rank): pid for rank, pid in enumerate(policy.run_all("process_id"))}
+        info["policy"] = {str(rank): pid for rank, pid in enumerate(policy.call(Worker.process_id))}
     if rollout is not None:
-        info["rollout"] = rollout.run_all("process_id")[0]
+        info["rollout"] = rollout.call(Worker.process_id)[0]
     path.write_text(json.dumps(info, indent=1) + "\n")
 
 

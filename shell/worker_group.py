@@ -7,9 +7,14 @@ replica group (the TP x CP x PP ranks of one data-parallel index). Work is then
 dispatched in three steps (split in ``core.dispatch``, execute here, merge in
 ``core.dispatch``):
 
-* ``run_all``: every rank runs a method; one result per rank, in rank order;
-* ``run_sharded``: the shard of dp index ``d`` goes to every rank of replica
-  group ``d``; one result per dp index, the replica leader's.
+* a method declared ``@on_all_ranks`` (see :mod:`shell.worker`): every rank
+  runs it; ``group.call(W.method, ...)`` returns one result per rank, in rank order;
+* a method declared ``@sharded``: ``group.call(W.method, shards, ...)`` sends the
+  shard of dp index ``d`` to every rank of replica group ``d``; one result per
+  dp index, the replica leader's.
+
+Methods are passed by reference, never by name, so the call site leads to the
+definition and its declared dispatch.
 
 Invariants:
   * actor ``i`` holds rank ``i``: its ``rank``, ``world_size`` and ``coords``
@@ -26,31 +31,25 @@ until the process-group timeout: shut such a group down and build a new one.
 
 from __future__ import annotations
 
-import datetime
 import math
-import os
 import re
-import socket
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
-import attrs
 import ray
-import torch
-import torch.distributed as dist
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from core.dispatch import dp_results, replica_groups, shard_for_ranks
+from core.dispatch import dp_results, shard_for_ranks
 from core.topology import AXES, Coords, NamedSharding, Rank
-from shell.broadcast import broadcast_tensors, describe
+from shell.worker import ResolvedBackend, Worker, dispatch_of
 
 Backend = Literal["gloo", "nccl", "auto"]
-ResolvedBackend = Literal["gloo", "nccl"]
 ObjectRefs = list[ray.ObjectRef]
+R = TypeVar("R")
 
 _BACKENDS: tuple[str, ...] = get_args(Backend)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -127,184 +126,6 @@ def _rebuild_error(
     )
 
 
-# ---------------------------------------------------------------- the worker side
-
-
-@attrs.frozen
-class Placement:
-    """Where a worker sits: its rank in ``sharding`` and the process-group backend."""
-
-    rank: Rank = attrs.field(validator=attrs.validators.instance_of(int))
-    sharding: NamedSharding = attrs.field(validator=attrs.validators.instance_of(NamedSharding))
-    backend: ResolvedBackend = attrs.field(validator=attrs.validators.in_(("gloo", "nccl")))
-
-    def __attrs_post_init__(self) -> None:
-        if not 0 <= self.rank < self.sharding.world_size:
-            raise ValueError(f"'rank' must be in range({self.sharding.world_size}) (the world size): got {self.rank}")
-
-
-class Worker:
-    """Base class of the actors of a ``WorkerGroup``: subclass it and add methods.
-
-    The group constructs the subclass with its ``init_args`` / ``init_kwargs``
-    and then calls ``setup_distributed``; so ``rank``, ``coords``, the process
-    group and ``replica_group()`` are available in every method, but not yet in
-    ``__init__`` (put rank-dependent set-up in a method the driver calls next).
-
-    Example:
-        >>> class Echo(Worker):
-        ...     def where(self) -> tuple[int, int]:
-        ...         return self.rank, self.world_size
-        >>> group = WorkerGroup(Echo, NamedSharding({"data_parallel": 2}))  # doctest: +SKIP
-        >>> group.run_all("where")  # doctest: +SKIP
-        [(0, 2), (1, 2)]
-    """
-
-    _placement: Placement | None = None
-    _replica_group: dist.ProcessGroup | None = None
-
-    # ------------------------------------------------------------ set-up (called by the group)
-
-    def rendezvous_address(self) -> tuple[str, int]:
-        """This node's IP and a port that is free on it now: the process group's rendezvous (run on rank 0)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("", 0))
-            port = int(probe.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
-
-    def setup_distributed(
-        self,
-        *,
-        rank: Rank,
-        sharding: NamedSharding,
-        master_addr: str,
-        master_port: int,
-        backend: ResolvedBackend,
-        timeout_s: float,
-    ) -> None:
-        """Join the world process group as ``rank`` and create every replica group, in ``replica_groups`` order.
-
-        Raises:
-            RuntimeError: this process already joined a process group, or NCCL
-                was asked for and no CUDA device is visible.
-        """
-        if dist.is_initialized():
-            raise RuntimeError(f"rank {rank}: this worker already joined a process group; build a new WorkerGroup")
-        placement = Placement(rank=rank, sharding=sharding, backend=backend)
-        if backend == "nccl":
-            if not torch.cuda.is_available():
-                raise RuntimeError(
-                    f"rank {rank}: backend 'nccl' needs a CUDA device and none is visible; "
-                    f"give workers GPUs (num_gpus_per_worker=1) or use backend='gloo'"
-                )
-            torch.cuda.set_device(0)  # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPUs
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=sharding.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-        mine = None
-        for ranks in replica_groups(sharding):
-            if len(ranks) == 1:
-                continue  # every rank skips the same groups, so creation order still agrees
-            group = dist.new_group(ranks=list(ranks))
-            if rank in ranks:
-                mine = group
-        self._placement = placement
-        self._replica_group = mine
-
-    def process_id(self) -> int:
-        """This worker's OS process id (for operators: e.g. to find or signal a rank's process)."""
-        return os.getpid()
-
-    def destroy_distributed(self) -> None:
-        """Leave the process group (and its replica groups); a no-op when not joined."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self._replica_group = None
-
-    # ------------------------------------------------------------ where this worker sits
-
-    @property
-    def placement(self) -> Placement:
-        """This worker's rank, layout and backend.
-
-        Raises:
-            RuntimeError: the group has not set this worker up yet (e.g. inside ``__init__``).
-        """
-        if self._placement is None:
-            raise RuntimeError(
-                "this worker has no rank yet: the WorkerGroup sets it after __init__; "
-                "move rank-dependent set-up into a method the driver calls with group.run_all(...)"
-            )
-        return self._placement
-
-    @property
-    def rank(self) -> Rank:
-        """This worker's global rank."""
-        return self.placement.rank
-
-    @property
-    def world_size(self) -> int:
-        """The number of ranks in the group."""
-        return self.placement.sharding.world_size
-
-    @property
-    def sharding(self) -> NamedSharding:
-        """The group's layout."""
-        return self.placement.sharding
-
-    @property
-    def coords(self) -> Coords:
-        """This worker's coordinate on every axis (``sharding.coords(rank)``)."""
-        return self.placement.sharding.coords(self.placement.rank)
-
-    @property
-    def dp_index(self) -> int:
-        """This worker's data-parallel index."""
-        return self.placement.sharding.dp_index(self.placement.rank)
-
-    @property
-    def is_replica_leader(self) -> bool:
-        """Whether this worker leads its replica group (tp = cp = pp = 0)."""
-        return self.placement.sharding.is_replica_leader(self.placement.rank)
-
-    @property
-    def replica_leader(self) -> Rank:
-        """The global rank of this worker's replica-group leader."""
-        return self.placement.sharding.dp_leaders()[self.dp_index]
-
-    @property
-    def device(self) -> torch.device:
-        """Where this worker's collectives run: ``cuda:0`` under NCCL, else the CPU."""
-        return torch.device("cuda", 0) if self.placement.backend == "nccl" else torch.device("cpu")
-
-    def replica_group(self) -> dist.ProcessGroup | None:
-        """The process group of this worker's replica group (its TP x CP x PP ranks); None when it has one rank."""
-        _ = self.placement  # raises when not set up
-        return self._replica_group
-
-    def broadcast_from_leader(self, data: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """Hand the leader's tensors to every rank of this replica group (see ``shell.broadcast``).
-
-        Args:
-            data: on the replica leader, the tensors; on every other rank, None.
-
-        Returns:
-            The leader's tensors, on ``self.device``, on every rank of the replica group.
-        """
-        group = self.replica_group()
-        if group is None:  # a replica group of one rank: nothing to send
-            if data is None:
-                raise ValueError(f"'data' must be the tensors on a replica leader: got None on rank {self.rank}")
-            return {entry.name: data[entry.name].to(self.device) for entry in describe(data)}
-        return broadcast_tensors(
-            data if self.is_replica_leader else None, src=self.replica_leader, group=group, device=self.device
-        )
-
-
 # ---------------------------------------------------------------- the driver side
 
 
@@ -312,7 +133,7 @@ def _check_worker_cls(worker_cls: Any) -> type[Worker]:
     if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
         got = worker_cls.__name__ if isinstance(worker_cls, type) else type(worker_cls).__name__
         raise TypeError(
-            f"'worker_cls' must be a subclass of shell.worker_group.Worker: got {got}; "
+            f"'worker_cls' must be a subclass of shell.worker.Worker: got {got}; "
             f"declare it as `class MyWorker(Worker): ...` and pass the class, not an instance or a Ray actor class"
         )
     return worker_cls
@@ -377,7 +198,7 @@ class WorkerGroup:
     Example:
         >>> group = WorkerGroup(MyWorker, NamedSharding({"data_parallel": 2, "tensor_parallel": 2}),  # doctest: +SKIP
         ...                     num_cpus_per_worker=0.5)
-        >>> group.run_sharded("train_step", [batch_for_dp0, batch_for_dp1])  # doctest: +SKIP
+        >>> group.call(MyWorker.train_step, [batch_for_dp0, batch_for_dp1])  # doctest: +SKIP
         [metrics_dp0, metrics_dp1]
         >>> group.shutdown()  # doctest: +SKIP
     """
@@ -500,88 +321,73 @@ class WorkerGroup:
 
     # ------------------------------------------------------------ dispatch
 
-    def _check_call(self, method: Any) -> str:
+    def _check_call(self, method: Any) -> tuple[str, str]:
         if self._closed:
             raise RuntimeError(f"this WorkerGroup ({self._name_prefix}) is shut down: build a new one")
-        if not isinstance(method, str):
-            raise TypeError(f"'method' must be a method name (str): got {type(method).__name__}; e.g. group.run_all('step')")
-        if not callable(getattr(self._worker_cls, method, None)):
-            raise ValueError(f"'method' must name a method of {self._worker_cls.__name__}: got {method!r}")
-        return method
+        dispatch = dispatch_of(method)
+        name = getattr(method, "__name__", "")
+        # The very function, defined on the worker class or a base (a same-named method of another class is not it).
+        defined_here = any(vars(klass).get(name) is method for klass in self._worker_cls.__mro__)
+        if not defined_here or getattr(getattr(self._worker_cls, name, None), "__worker_dispatch__", None) is None:
+            raise ValueError(
+                f"'method' must be a declared method of {self._worker_cls.__name__}: got {method.__qualname__}"
+            )
+        return name, dispatch
 
-    def submit_all(self, method: str, *args: Any, **kwargs: Any) -> ObjectRefs:
-        """Start ``method(*args, **kwargs)`` on every rank and return its refs in rank order (collect them with ``collect``).
+    def submit(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> ObjectRefs:
+        """Start an ``@on_all_ranks`` method on every rank; its refs in rank order (wait with ``collect``).
 
         Each argument is put into the object store once and shared by all ranks.
 
         Raises:
-            TypeError: ``method`` is not a str.
-            ValueError: ``worker_cls`` has no method ``method``.
+            TypeError: ``method`` is a name, undeclared, or declared ``@sharded``.
+            ValueError: ``method`` is not a method of the group's worker class.
             RuntimeError: the group is shut down.
         """
-        name = self._check_call(method)
+        name, dispatch = self._check_call(method)
+        if dispatch != "on_all_ranks":
+            raise TypeError(f"'method' must be declared @on_all_ranks to be submitted: {name} is @{dispatch}")
         shared_args = [_put_once(a) for a in args]
         shared_kwargs = {k: _put_once(v) for k, v in kwargs.items()}
         return [getattr(actor, name).remote(*shared_args, **shared_kwargs) for actor in self._actors]
 
-    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Run ``method(*args, **kwargs)`` on every rank; one result per rank, in rank order.
+    def call(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> list[R]:
+        """Run a declared worker method and wait for it (up to the group's ``timeout_s``).
 
-        Waits up to the group's ``timeout_s``.
+        * ``@on_all_ranks`` ``method(*args, **kwargs)`` runs on every rank: one
+          result per rank, in rank order;
+        * ``@sharded`` ``method(shard, *rest, **kwargs)`` with ``args = (shards,
+          *rest)``, one shard per dp index: every rank of replica group ``d``
+          runs it with shard ``d``; one result per dp index (the leader's;
+          the others are fetched, so their errors surface, and dropped).
 
         Raises:
-            TypeError, ValueError, RuntimeError: as ``submit_all``.
+            TypeError: ``method`` is a name or undeclared, or ``shards`` is not a sequence.
+            ValueError: ``method`` is not a method of the worker class, or
+                ``shards`` does not have one entry per dp index.
+            RuntimeError: the group is shut down.
             WorkerError: a rank raised or died (the lowest such rank is named).
             WorkerTimeoutError: some ranks did not finish within ``timeout_s``.
-        """
-        return self.collect(self.submit_all(method, *args, **kwargs), method=method)
-
-    def run_sharded(
-        self,
-        method: str,
-        shards: Sequence[Any],
-        *,
-        common_kwargs: Mapping[str, Any] | None = None,
-        timeout_s: float | None | Literal["group"] = "group",
-    ) -> list[Any]:
-        """Run ``method(shard, **common_kwargs)`` with each dp index's shard on every rank of its replica group.
-
-        Replicas (the tp / cp / pp ranks of one dp index) receive the same shard;
-        their results are fetched (so their errors surface) and dropped, keeping
-        the replica leader's: return small values from non-leaders.
-
-        Args:
-            method: the worker method's name.
-            shards: one entry per data-parallel index, in dp order.
-            common_kwargs: keyword arguments passed to every rank.
-            timeout_s: seconds to wait; ``"group"`` uses the group's ``timeout_s``.
-
-        Returns:
-            One result per data-parallel index, in dp order (the leaders').
-
-        Raises:
-            TypeError: ``method`` is not a str, or ``shards`` is not a sequence.
-            ValueError: ``shards`` does not have one entry per dp index, or
-                ``worker_cls`` has no method ``method``.
-            RuntimeError: the group is shut down.
-            WorkerError: a rank raised or died.
-            WorkerTimeoutError: some ranks did not finish in time.
 
         Example:
-            >>> group.run_sharded("score", [rows_dp0, rows_dp1], common_kwargs={"step": 3})  # doctest: +SKIP
+            >>> group.call(MyWorker.score, [rows_dp0, rows_dp1], step=3)  # doctest: +SKIP
             [scores_dp0, scores_dp1]
         """
-        name = self._check_call(method)
+        name, dispatch = self._check_call(method)
+        if dispatch == "on_all_ranks":
+            return self.collect(self.submit(method, *args, **kwargs), method=name)
+        if not args:
+            raise TypeError(f"{name} is @sharded: call it as group.call(..., shards, ...) with one shard per dp index")
+        shards, rest = args[0], args[1:]
         indices = shard_for_ranks(self._sharding, shards)
-        if common_kwargs is not None and not isinstance(common_kwargs, Mapping):
-            raise TypeError(f"'common_kwargs' must be a mapping: got {type(common_kwargs).__name__}")
         shard_refs = [_put_once(shard) for shard in shards]
-        shared_kwargs = {k: _put_once(v) for k, v in (common_kwargs or {}).items()}
+        shared_args = [_put_once(a) for a in rest]
+        shared_kwargs = {k: _put_once(v) for k, v in kwargs.items()}
         refs = [
-            getattr(actor, name).remote(shard_refs[indices[r]], **shared_kwargs) for r, actor in enumerate(self._actors)
+            getattr(actor, name).remote(shard_refs[indices[r]], *shared_args, **shared_kwargs)
+            for r, actor in enumerate(self._actors)
         ]
-        wait = self._timeout_s if timeout_s == "group" else _check_timeout("timeout_s", timeout_s)
-        return list(dp_results(self._sharding, self.collect(refs, method=name, timeout_s=wait)))
+        return list(dp_results(self._sharding, self.collect(refs, method=name)))
 
     def collect(self, refs: ObjectRefs, *, method: str, timeout_s: float | None | Literal["group"] = "group") -> list[Any]:
         """Wait for one ref per rank and return their values in rank order, or raise ONE ``WorkerError``.
@@ -591,7 +397,7 @@ class WorkerGroup:
         the lowest failed rank and how many failed.
 
         Args:
-            refs: the refs of one call, one per rank in rank order (from ``submit_all``).
+            refs: the refs of one call, one per rank in rank order (from ``submit``).
             method: the method's name (for the error message).
             timeout_s: seconds to wait; ``"group"`` uses the group's ``timeout_s``.
 
