@@ -19,6 +19,7 @@ from adapters.transfer_queue import TransferQueueStore
 from shell import run as shell_run
 from shell.grpo_trainer import GRPOTrainer, StepError, load_checkpoint
 from shell.run_config import load_run_config
+from shell.rollout import RolloutWorker
 from shell.run_log import read_metrics
 from shell.worker_group import WorkerError
 from tests.e2e.grpo_faults import FAULT_MESSAGE, RaisingLoss
@@ -172,7 +173,7 @@ def test_trainer_refit_keeps_rollout_in_sync(tq_store_session: TransferQueueStor
     with GRPOTrainer(config) as trainer:
         trainer.step(1)
         policy = trainer.policy_state()
-        (rollout,) = trainer.rollout.run_all("weights")  # type: ignore[union-attr]
+        (rollout,) = trainer.rollout.call(RolloutWorker.weights)  # type: ignore[union-attr]
         assert policy.keys() == rollout.keys()
         assert all(torch.equal(policy[k], rollout[k]) for k in policy)
 
