@@ -32,7 +32,6 @@ until the process-group timeout: shut such a group down and build a new one.
 from __future__ import annotations
 
 import math
-import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -41,89 +40,20 @@ from typing import Any, Literal, TypeVar, get_args
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import RayError
 
 from core.dispatch import dp_results, shard_for_ranks
-from core.topology import AXES, Coords, NamedSharding, Rank
+from core.topology import NamedSharding, Rank
 from shell.worker import ResolvedBackend, Worker, dispatch_of
+from shell.worker_errors import WorkerError, WorkerTimeoutError, failure_error, format_coords
+
+__all__ = ["Backend", "WorkerError", "WorkerGroup", "WorkerTimeoutError"]
 
 Backend = Literal["gloo", "nccl", "auto"]
 ObjectRefs = list[ray.ObjectRef]
 R = TypeVar("R")
 
 _BACKENDS: tuple[str, ...] = get_args(Backend)
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _format_coords(coords: Coords) -> str:
-    return ", ".join(f"{axis}={coords[axis]}" for axis in AXES)
-
-
-# ---------------------------------------------------------------- errors
-
-
-class WorkerError(RuntimeError):
-    """A worker of a group failed: raised a Python exception, died, or did not answer in time.
-
-    Attributes:
-        rank: the lowest failed (or, on a timeout, still running) rank.
-        coords: that rank's coordinates on every axis.
-        method: the method that was called.
-        remote_traceback: the traceback text from the worker ("" when it died
-            or timed out and so has none).
-        failed_ranks: every rank known to have failed, ascending.
-        world_size: the number of ranks called.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        rank: Rank,
-        coords: Coords,
-        method: str,
-        remote_traceback: str = "",
-        failed_ranks: tuple[Rank, ...] = (),
-        world_size: int = 0,
-    ) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.coords = coords
-        self.method = method
-        self.remote_traceback = remote_traceback
-        self.failed_ranks = failed_ranks
-        self.world_size = world_size
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            _rebuild_error,
-            (type(self), str(self), self.rank, self.coords, self.method, self.remote_traceback, self.failed_ranks, self.world_size),
-        )
-
-
-class WorkerTimeoutError(WorkerError, TimeoutError):
-    """Some ranks did not finish within the call's timeout (none had failed); ``rank`` is the lowest of them."""
-
-
-def _rebuild_error(
-    cls: type[WorkerError],
-    message: str,
-    rank: Rank,
-    coords: Coords,
-    method: str,
-    remote_traceback: str,
-    failed_ranks: tuple[Rank, ...],
-    world_size: int,
-) -> WorkerError:
-    return cls(
-        message,
-        rank=rank,
-        coords=coords,
-        method=method,
-        remote_traceback=remote_traceback,
-        failed_ranks=failed_ranks,
-        world_size=world_size,
-    )
 
 
 # ---------------------------------------------------------------- the driver side
@@ -441,13 +371,13 @@ class WorkerGroup:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=left)
             harvest(ready)
         if failures:
-            raise self._failure(method, failures, still_running=len(pending), called=len(refs))
+            raise failure_error(self._sharding, method, failures, still_running=len(pending), called=len(refs))
         if pending:
             running = sorted(rank_of[ref] for ref in pending)
             first = running[0]
             coords = self._sharding.coords(first)
             raise WorkerTimeoutError(
-                f"rank {first} ({_format_coords(coords)}) did not finish '{method}' within {wait} s "
+                f"rank {first} ({format_coords(coords)}) did not finish '{method}' within {wait} s "
                 f"[{len(running)} of {len(refs)} ranks still running: {running[:8]}"
                 f"{' ...' if len(running) > 8 else ''}]",
                 rank=first,
@@ -456,43 +386,6 @@ class WorkerGroup:
                 world_size=self.world_size,
             )
         return [values[r] for r in ranks]
-
-    def _failure(
-        self, method: str, failures: Mapping[Rank, RayError], *, still_running: int, called: int
-    ) -> WorkerError:
-        failed = tuple(sorted(failures))
-        # A dead actor is the cause; ranks in a collective with it fail as a consequence: name it first.
-        dead = [r for r in failed if isinstance(failures[r], RayActorError)]
-        first = dead[0] if dead else failed[0]
-        shown = "dead rank shown" if dead and len(failed) > 1 else "lowest rank shown"
-        error = failures[first]
-        coords = self._sharding.coords(first)
-        where = f"rank {first} ({_format_coords(coords)})"
-        tally = f"{len(failed)} of {called} ranks failed"
-        if still_running:
-            tally += f", {still_running} still running"
-        if isinstance(error, RayTaskError):
-            cause = error.cause
-            summary = f"{type(cause).__name__}: {cause}"
-            remote = _ANSI.sub("", str(error))  # ray's own text: the remote process, then its traceback
-            message = f"{where} raised in '{method}': {summary} [{tally}; {shown}]\n--- remote traceback of rank {first} ---\n{remote}"
-        elif isinstance(error, RayActorError):
-            remote = ""
-            message = f"{where} died during '{method}': its actor is dead [{tally}; {shown}]\n{error}"
-        else:
-            remote = ""
-            message = f"{where} failed in '{method}': {type(error).__name__}: {error} [{tally}; {shown}]"
-        failure = WorkerError(
-            message,
-            rank=first,
-            coords=coords,
-            method=method,
-            remote_traceback=remote,
-            failed_ranks=failed,
-            world_size=self.world_size,
-        )
-        failure.__cause__ = error
-        return failure
 
     # ------------------------------------------------------------ shutdown
 
