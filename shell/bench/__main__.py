@@ -1,4 +1,4 @@
-"""Entry point: ``python -m shell.bench {balance,dataplane,policy,grpo} [options] [--markdown]``."""
+"""Entry point: ``python -m shell.bench {balance,dataplane,policy,grpo,revisions} [options] [--markdown]``."""
 
 from __future__ import annotations
 
@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     grpo.add_argument("--repeats", type=int, default=3, help="runs per path, order alternated (default 3)")
     grpo.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides (see python -m shell.run --help)")
     grpo.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    revisions = sub.add_parser("revisions", help="GRPO step time of this tree against another git revision, paired")
+    revisions.add_argument("--base", required=True, help="the git revision to compare against (e.g. main, HEAD~3)")
+    revisions.add_argument("--steps", type=int, default=20, help="steps per run (default 20)")
+    revisions.add_argument("--repeats", type=int, default=3, help="paired runs per transport, order alternated (default 3)")
+    revisions.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides (see python -m shell.run --help)")
+    revisions.add_argument("--markdown", action="store_true", help="print Markdown tables")
     args = parser.parse_args(argv)
     if getattr(args, "seeds", 1) < 1:
         parser.error(f"--seeds must be >= 1: got {args.seeds}")
@@ -62,6 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         from shell.bench.grpo import run as run_grpo
 
         run_grpo(GrpoBenchConfig(steps=args.steps, repeats=args.repeats, overrides=tuple(args.overrides)), report)
+    elif args.name == "revisions":
+        from shell.bench.revisions import RevisionsConfig
+        from shell.bench.revisions import run as run_revisions
+
+        run_revisions(
+            RevisionsConfig(base=args.base, steps=args.steps, repeats=args.repeats, overrides=tuple(args.overrides)),
+            report,
+        )
     return 0
 
 
