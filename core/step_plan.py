@@ -23,6 +23,13 @@ class StepLayout:
     pad_multiple: int | None = None
     tensor_parallel: int = 1
 
+    def __attrs_post_init__(self) -> None:
+        if self.packing is not None and self.dynamic_batching is not None:
+            raise ValueError("'packing' and 'dynamic_batching' are mutually exclusive: got both; pass one")
+        gbs, dp = self.train_global_batch_size, self.dp_size
+        if gbs is not None and (gbs < 1 or gbs % dp):
+            raise ValueError(f"'train_global_batch_size' must be a positive multiple of the DP size {dp}: got {gbs}")
+
     @property
     def step_pad_multiple(self) -> int:
         if self.pad_multiple is not None:
@@ -85,6 +92,10 @@ def micro_batch_spans(extra_info: Mapping[str, Any], rows: int) -> tuple[tuple[t
     indices = extra_info.get(MICRO_BATCH_INDICES)
     if indices is not None:
         plan = tuple(tuple((int(a), int(b)) for a, b in step) for step in indices)
+        flat = [span for step in plan for span in step]
+        ends = [0] + [b for _, b in flat]
+        if any(a != prev for (a, _), prev in zip(flat, ends)) or ends[-1] != rows:
+            raise ValueError(f"'micro_batch_indices' must tile range({rows}) in order: got {plan}")
         return plan
     per = extra_info.get(_TGBS)
     if per is None:

@@ -1,4 +1,4 @@
-"""The GRPO trainer's pure parts: task and model from the config, batch concatenation, checkpoints."""
+"""The GRPO trainer's pure parts: task and model from the config, step-row concatenation, checkpoints."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from core.addition import AdditionTask
-from shell.grpo_trainer import CHECKPOINT_FILE, _cat_batches, build_task, load_checkpoint, model_config
+from core.meta import KVBatchMeta
+from shell.grpo_trainer import CHECKPOINT_FILE, build_task, load_checkpoint, model_config
 from shell.run_config import ConfigError, load_run_config
+from shell.step_rows import StepRows
 
 
 def test_build_task_addition_and_import_path_build_the_same_task() -> None:
@@ -58,19 +60,37 @@ def test_model_config_rejects_a_context_too_short_for_the_task() -> None:
         model_config(config, build_task(config))
 
 
+def _rows(prefix: str, n: int, width: int, offset: int) -> StepRows:
+    """``n`` legacy rows of ``width`` tokens each (ids ``offset + 1 ...``), keys ``prefix<i>``."""
+    ids = torch.arange(1, n * width + 1).reshape(n, width) + offset
+    meta = KVBatchMeta("legacy", [f"{prefix}{i}" for i in range(n)], fields=["input_ids"], sequence_lengths=[width] * n)
+    return StepRows(meta, TensorDict({"input_ids": ids, "lengths": torch.full((n,), width)}, [n]))
+
+
 @given(
     st.integers(1, 4), st.integers(1, 4), st.integers(1, 6), st.integers(1, 6),
 )
-def test_cat_batches_keeps_rows_and_pads_token_fields_with_zeros(na: int, nb: int, wa: int, wb: int) -> None:
-    """Rows of a then b; each row's tokens are unchanged and the padding added is 0."""
-    a = TensorDict({"input_ids": torch.arange(1, na * wa + 1).reshape(na, wa), "lengths": torch.full((na,), wa)}, [na])
-    b = TensorDict({"input_ids": torch.arange(1, nb * wb + 1).reshape(nb, wb) + 100, "lengths": torch.full((nb,), wb)}, [nb])
-    out = _cat_batches(a, b)
+def test_step_rows_concat_keeps_rows_and_pads_token_fields_with_zeros(na: int, nb: int, wa: int, wb: int) -> None:
+    """Rows of a then b (keys, lengths and batch aligned); each row's tokens are unchanged and the padding added is 0."""
+    a, b = _rows("a", na, wa, 0), _rows("b", nb, wb, 100)
+    rows = a.concat(b)
+    out = rows.require_batch()
     width = max(wa, wb)
     assert out["input_ids"].shape == (na + nb, width)
-    assert torch.equal(out["input_ids"][:na, :wa], a["input_ids"]) and not out["input_ids"][:na, wa:].any()
-    assert torch.equal(out["input_ids"][na:, :wb], b["input_ids"]) and not out["input_ids"][na:, wb:].any()
-    assert torch.equal(out["lengths"], torch.cat([a["lengths"], b["lengths"]]))
+    assert torch.equal(out["input_ids"][:na, :wa], a.require_batch()["input_ids"]) and not out["input_ids"][:na, wa:].any()
+    assert torch.equal(out["input_ids"][na:, :wb], b.require_batch()["input_ids"]) and not out["input_ids"][na:, wb:].any()
+    assert torch.equal(out["lengths"], torch.cat([a.require_batch()["lengths"], b.require_batch()["lengths"]]))
+    assert rows.meta.keys == a.meta.keys + b.meta.keys and len(rows) == na + nb
+    assert rows.meta.sequence_lengths == (wa,) * na + (wb,) * nb
+
+
+def test_step_rows_concat_rejects_rows_that_travel_differently() -> None:
+    """Rows with a batch (legacy) and rows without one (in a store) cannot be concatenated; a batch must fit the meta."""
+    a, b = _rows("a", 2, 3, 0), _rows("b", 1, 3, 0)
+    with pytest.raises(ValueError, match=r"'other' must travel like these rows: one holds a batch and the other does not"):
+        a.concat(StepRows(b.meta))
+    with pytest.raises(ValueError, match=r"'batch' must have one row per key \(2\): got 1"):
+        StepRows(a.meta, b.require_batch())
 
 
 def test_load_checkpoint_reads_a_folder_or_file_and_rejects_others(tmp_path: Path) -> None:
