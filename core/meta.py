@@ -18,12 +18,12 @@ Laws (see ``tests/property/test_meta.py``):
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
+from core.checks import check_int_entries
 from core.frozen import FrozenDict, freeze
 
 Keys = tuple[str, ...]
@@ -51,19 +51,7 @@ def _to_str_tuple(name: str) -> Any:
 
 
 def _to_lengths(value: Any) -> SeqLens | None:
-    if value is None:
-        return None
-    out = []
-    for i, length in enumerate(value):
-        if isinstance(length, bool):
-            raise TypeError(f"'sequence_lengths' entries must be int: got bool at index {i}")
-        try:
-            out.append(operator.index(length))
-        except TypeError:
-            raise TypeError(
-                f"'sequence_lengths' entries must be int: got {type(length).__name__} at index {i}"
-            ) from None
-    return tuple(out)
+    return None if value is None else check_int_entries("sequence_lengths", value)
 
 
 def _to_tags(value: Any) -> Tags | None:
@@ -98,22 +86,12 @@ def _check_unique_strings(name: str, values: tuple[Any, ...]) -> None:
 def _check_indices(name: str, indices: Iterable[int], size: int) -> tuple[int, ...]:
     out: list[int] = []
     seen: set[int] = set()
-    for position, entry in enumerate(indices):
-        if isinstance(entry, bool):
-            raise TypeError(f"'{name}' entries must be int: got bool at position {position}")
-        try:
-            index = operator.index(entry)
-        except TypeError:
-            raise TypeError(
-                f"'{name}' entries must be int: got {type(entry).__name__} at position {position}"
-            ) from None
+    for position, index in enumerate(check_int_entries(name, indices)):
         if not -size <= index < size:
-            raise ValueError(
-                f"'{name}' entries must be in range({size}) (one per row): got {index} at position {position}"
-            )
+            raise ValueError(f"'{name}' entries must be in range({size}) (one per row): got {index} at index {position}")
         index %= size
         if index in seen:
-            raise ValueError(f"'{name}' must not repeat rows: row {index} repeats at position {position}")
+            raise ValueError(f"'{name}' must not repeat rows: row {index} repeats at index {position}")
         seen.add(index)
         out.append(index)
     return tuple(out)

@@ -192,18 +192,7 @@ def pack_sequences(
 
 
 def _check_lengths(lengths: Sequence[int]) -> Lengths:
-    if isinstance(lengths, (str, bytes)):
-        raise TypeError(f"'lengths' must be a sequence of ints: got {type(lengths).__name__}")
-    if isinstance(lengths, np.ndarray) and lengths.ndim == 1 and lengths.dtype.kind in "iu":
-        items = lengths.tolist()  # Python ints
-    else:
-        try:
-            items = list(lengths)
-        except TypeError:
-            raise TypeError(f"'lengths' must be a sequence of ints: got {type(lengths).__name__}") from None
-    if all(type(entry) is int for entry in items) and (not items or min(items) >= 0):
-        return tuple(items)  # fast path: plain non-negative ints
-    return check_int_entries("lengths", items, minimum=0)
+    return check_int_entries("lengths", lengths, minimum=0)
 
 
 def _round_up(count: int, multiple: int) -> int:

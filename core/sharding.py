@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from core.checks import check_int
+from core.checks import check_int, check_int_entries
 from core.meta import KVBatchMeta
 from core.packing import PACKING_ALGORITHMS, pack_sequences
 from core.permutation import inverse_permutation
@@ -391,20 +391,8 @@ def global_pad_length(lengths: Sequence[int], *, multiple: int = 1) -> int:
     """
     step = check_int("multiple", multiple, minimum=1)
     if isinstance(lengths, np.ndarray):
-        lengths = lengths.ravel().tolist()
-    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
-        raise TypeError(f"'lengths' must be a sequence of ints: got {type(lengths).__name__}")
-    longest = 0
-    for i, entry in enumerate(lengths):
-        if isinstance(entry, (bool, np.bool_)):
-            raise TypeError(f"'lengths' entries must be int: got bool at index {i}")
-        try:
-            length = operator.index(entry)
-        except TypeError:
-            raise TypeError(f"'lengths' entries must be int: got {type(entry).__name__} at index {i}") from None
-        if length < 0:
-            raise ValueError(f"'lengths' entries must be >= 0: got {length} at index {i}")
-        longest = max(longest, length)
+        lengths = lengths.ravel()
+    longest = max(check_int_entries("lengths", lengths, minimum=0), default=0)
     return _round_up(longest, step)
 
 

@@ -179,9 +179,9 @@ def test_inverse_permutation_rejects_non_permutations() -> None:
     """inverse_permutation rejects repeats, out-of-range entries and non-ints."""
     with pytest.raises(ValueError, match=r"entry 1 repeats"):
         inverse_permutation([1, 1])
-    with pytest.raises(ValueError, match=r"entry 2 at position 1 is out of range"):
+    with pytest.raises(ValueError, match=r"entry 2 at index 1 is out of range"):
         inverse_permutation([0, 2])
-    with pytest.raises(TypeError, match=r"got float at position 0"):
+    with pytest.raises(TypeError, match=r"got float at index 0"):
         inverse_permutation([0.0])
 
 
