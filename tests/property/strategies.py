@@ -16,7 +16,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from core.meta import KVBatchMeta
 from core.packing import PACKING_ALGORITHMS
-from core.sharding import DynamicBatchingSpec, PackingSpec
+from core.micro_batch import DynamicBatchingSpec, PackingSpec
 from core.topology import AXES, NamedSharding
 
 # ---------------------------------------------------------------- metadata
@@ -121,7 +121,14 @@ def distinct_lengths_and_permutation(draw: st.DrawFn) -> tuple[list[int], int, l
     return lengths, capacity, draw(st.permutations(list(range(len(lengths)))))
 
 
-# sharding (core/sharding.py)
+# partitioning and sharding (core/partition.py, core/sharding.py)
+
+
+def lognormal_lengths(n: int, seed: int) -> list[int]:
+    """``n`` reproducible lognormal sequence lengths (median 700, clipped to [16, 8192]), like real rollouts."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.rint(rng.lognormal(np.log(700), 1.0, n)), 16, 8192).astype(int).tolist()
+
 
 partition_weight_values = st.sampled_from([st.integers(0, 1000), st.integers(0, 9), st.floats(0, 1e4, allow_nan=False)]).flatmap(lambda s: s)
 

@@ -1,13 +1,13 @@
 """Laws of length-balanced DP sharding (``core/sharding.py``).
 
-Partition and inverse laws for every mode, uniform micro-batch counts and
-capacity under packing / dynamic batching, balance bounds against plain
-reference algorithms, and the error paths.
+Partition and inverse laws for every mode; uniform micro-batch counts, tiling
+and capacity under packing / dynamic batching; balance against ``balanced_partition`` and
+``pack_sequences`` as references; ``global_pad_length``,
+``shard_row_indices``, and the error paths.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 
 import numpy as np
@@ -25,193 +25,14 @@ from core.sharding import (
     shard_meta_for_dp,
     shard_row_indices,
 )
-from tests.property.strategies import (
-    equal_partition_cases,
-    free_partition_cases,
-    micro_batching_cases,
-    sharding_cases,
-)
+from tests.property.references import micro_batch_tokens, padded_length
+from tests.property.strategies import lognormal_lengths, micro_batching_cases, sharding_cases
 
 MICRO = settings(max_examples=40)  # each example shards a whole meta; keeps the file fast
 
 
-# ---------------------------------------------------------------- plain references
-
-
-def _stride_reference(weights: list[int], parts: int) -> list[list[int]]:
-    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
-    return [order[r::parts] for r in range(parts)]
-
-
-def _lpt_reference(weights: list[int], parts: int, *, equal_size: bool) -> list[list[int]]:
-    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
-    groups: list[list[int]] = [[] for _ in range(parts)]
-    loads = [0] * parts
-    if equal_size:
-        for start in range(0, len(order), parts):
-            lightest = sorted(range(parts), key=lambda p: (loads[p], p))
-            for item, p in zip(order[start : start + parts], lightest):
-                groups[p].append(item)
-                loads[p] += weights[item]
-        return groups
-    heap = [(0, p) for p in range(parts)]
-    for item in order:
-        load, p = heapq.heappop(heap)
-        groups[p].append(item)
-        heapq.heappush(heap, (load + weights[item], p))
-    return groups
-
-
-def _max_sum(weights: list[int], groups: list[list[int]] | tuple[tuple[int, ...], ...]) -> int:
-    return max((sum(weights[i] for i in g) for g in groups), default=0)
-
-
-def _lognormal(n: int, seed: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return np.clip(np.rint(rng.lognormal(np.log(700), 1.0, n)), 16, 8192).astype(int).tolist()
-
-
-def _padded(length: int, spec: PackingSpec | DynamicBatchingSpec) -> int:
-    step = spec.sequence_length_pad_multiple if isinstance(spec, PackingSpec) else spec.sequence_length_round
-    return -(-length // step) * step
-
-
-def _micro_batch_tokens(lengths: list[int], spec: PackingSpec | DynamicBatchingSpec) -> int:
-    """A micro-batch's padded tokens, computed with a plain loop."""
-    if isinstance(spec, PackingSpec):
-        return sum(_padded(x, spec) for x in lengths)
-    return len(lengths) * max(_padded(x, spec) for x in lengths)
-
-
 def _concat_keys(shards: tuple[KVBatchMeta, ...]) -> list[str]:
     return [k for s in shards for k in s.keys]
-
-
-# ---------------------------------------------------------------- balanced_partition
-
-
-@given(equal_partition_cases())
-def test_balanced_partition_equal_size_is_a_partition_into_equal_parts(case: tuple[list[float], int]) -> None:
-    """Equal-size mode: every index exactly once, every part of len(weights) // parts items."""
-    weights, parts = case
-    result = balanced_partition(weights, parts)
-    assert len(result) == parts
-    assert sorted(i for part in result for i in part) == list(range(len(weights)))
-    assert {len(part) for part in result} <= {len(weights) // parts}
-
-
-@given(free_partition_cases())
-def test_balanced_partition_free_size_is_a_partition(case: tuple[list[float], int]) -> None:
-    """Non-equal mode: ``parts`` parts holding every index exactly once."""
-    weights, parts = case
-    result = balanced_partition(weights, parts, equal_size=False)
-    assert len(result) == parts
-    assert sorted(i for part in result for i in part) == list(range(len(weights)))
-
-
-@given(free_partition_cases())
-def test_balanced_partition_parts_ascend_and_are_ordered_by_first_index(case: tuple[list[float], int]) -> None:
-    """Indices ascend inside a part; non-empty parts are ordered by first index, empty parts last."""
-    weights, parts = case
-    result = balanced_partition(weights, parts, equal_size=False)
-    assert all(list(part) == sorted(part) for part in result)
-    firsts = [part[0] for part in result if part]
-    assert firsts == sorted(firsts)
-    assert all(not part for part in result[len(firsts) :])
-
-
-@given(equal_partition_cases(integral=True))
-def test_balanced_partition_equal_size_never_worse_than_stride_or_lpt(case: tuple[list[int], int]) -> None:
-    """Equal size: the largest part sum is at most sort-then-stride's and equal-size LPT's."""
-    weights, parts = case
-    ours = _max_sum(weights, balanced_partition(weights, parts))
-    assert ours <= _max_sum(weights, _stride_reference(weights, parts))
-    assert ours <= _max_sum(weights, _lpt_reference(weights, parts, equal_size=True))
-
-
-@given(free_partition_cases(integral=True))
-def test_balanced_partition_free_size_never_worse_than_lpt(case: tuple[list[int], int]) -> None:
-    """Non-equal size: the largest part sum is at most plain LPT's, and never below the lower bound."""
-    weights, parts = case
-    ours = _max_sum(weights, balanced_partition(weights, parts, equal_size=False))
-    assert ours <= _max_sum(weights, _lpt_reference(weights, parts, equal_size=False))
-    assert ours >= max(max(weights, default=0), math.ceil(sum(weights) / parts))
-
-
-@given(free_partition_cases())
-def test_balanced_partition_is_deterministic(case: tuple[list[float], int]) -> None:
-    """Equal inputs give equal partitions (list, tuple and numpy inputs alike)."""
-    weights, parts = case
-    first = balanced_partition(weights, parts, equal_size=False)
-    assert balanced_partition(tuple(weights), parts, equal_size=False) == first
-    assert balanced_partition(np.asarray(weights), parts, equal_size=False) == first
-
-
-def test_balanced_partition_meets_the_balance_target_on_lognormal_lengths() -> None:
-    """N=512, 32 parts, seeds 0..19: mean over seeds of max/mean part sum is <= 1.001."""
-    ratios = []
-    for seed in range(20):
-        weights = _lognormal(512, seed)
-        ratios.append(_max_sum(weights, balanced_partition(weights, 32)) / (sum(weights) / 32))
-    assert sum(ratios) / len(ratios) <= 1.001
-
-
-def test_balanced_partition_rejects_an_uneven_equal_size_split() -> None:
-    """Equal size needs len(weights) % parts == 0; the message shows the non-equal call."""
-    with pytest.raises(ValueError, match=r"got 5 weights and parts=2.*equal_size=False"):
-        balanced_partition([1, 2, 3, 4, 5], 2)
-
-
-def test_balanced_partition_rejects_bad_parts() -> None:
-    """``parts`` must be an int >= 1."""
-    with pytest.raises(ValueError, match="'parts' must be >= 1: got 0"):
-        balanced_partition([], 0)
-    with pytest.raises(TypeError, match="'parts' must be an int: got float"):
-        balanced_partition([1.0], 1.0)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("weights", "error", "pattern"),
-    [
-        ([1, -2], ValueError, r"'weights' entries must be >= 0: got -2 at index 1"),
-        ([1.0, float("nan")], ValueError, r"'weights' entries must be finite: got nan at index 1"),
-        ([1, True], TypeError, r"'weights' entries must be int or float: got bool at index 1"),
-        ([1, "2"], TypeError, r"'weights' entries must be int or float: got str at index 1"),
-        ("12", TypeError, r"'weights' must be a sequence of numbers: got str"),
-        (np.ones((2, 2)), ValueError, r"'weights' must be 1-dimensional"),
-    ],
-)
-def test_balanced_partition_rejects_bad_weights(weights: object, error: type[Exception], pattern: str) -> None:
-    """Weights must be a 1-d sequence of finite, non-negative numbers."""
-    with pytest.raises(error, match=pattern):
-        balanced_partition(weights, 1, equal_size=False)  # type: ignore[arg-type]
-
-
-# ---------------------------------------------------------------- specs
-
-
-def test_specs_have_documented_defaults() -> None:
-    """A spec built with only the capacity uses BFD and no padding."""
-    assert PackingSpec(8192) == PackingSpec(8192, "best_fit_decreasing", 1)
-    assert DynamicBatchingSpec(4096).sequence_length_round == 1
-
-
-@pytest.mark.parametrize(
-    ("build", "error", "pattern"),
-    [
-        (lambda: PackingSpec(0), ValueError, "'max_tokens_per_microbatch' must be >= 1: got 0"),
-        (lambda: PackingSpec(8, sequence_length_pad_multiple=0), ValueError, "'sequence_length_pad_multiple' must be >= 1"),
-        (lambda: PackingSpec(8, algorithm="best_fit"), ValueError, r"'algorithm' must be one of .*got 'best_fit'"),
-        (lambda: PackingSpec(8, algorithm=1), TypeError, "'algorithm' must be a str"),
-        (lambda: PackingSpec(8.0), TypeError, "'max_tokens_per_microbatch' must be an int: got float"),
-        (lambda: DynamicBatchingSpec(-1), ValueError, "'max_tokens_per_microbatch' must be >= 1: got -1"),
-        (lambda: DynamicBatchingSpec(8, sequence_length_round=True), TypeError, "'sequence_length_round' must be an int: got bool"),
-    ],
-)
-def test_specs_reject_invalid_fields(build: object, error: type[Exception], pattern: str) -> None:
-    """Spec fields are validated on construction."""
-    with pytest.raises(error, match=pattern):
-        build()  # type: ignore[operator]
 
 
 # ---------------------------------------------------------------- shard_meta_for_dp: every mode
@@ -378,7 +199,7 @@ def test_shard_meta_for_dp_micro_batches_respect_capacity_and_report_their_token
         assert [len(g) for g in spans] == [len(g) for g in tokens]
         for batch_spans, batch_tokens in zip(spans, tokens):
             for (start, end), count in zip(batch_spans, batch_tokens):
-                assert count == _micro_batch_tokens(list(shard.sequence_lengths[start:end]), spec)
+                assert count == micro_batch_tokens(list(shard.sequence_lengths[start:end]), spec)
                 assert count <= spec.max_tokens_per_microbatch
 
 
@@ -389,7 +210,7 @@ def test_shard_meta_for_dp_packing_is_never_worse_than_packing_alone(case: tuple
     meta, dp, batch_size, spec = case
     shards, _ = _shard(meta, dp, batch_size, spec)
     size = batch_size or len(meta)
-    padded = [_padded(x, spec) for x in meta.sequence_lengths]
+    padded = [padded_length(x, spec) for x in meta.sequence_lengths]
     for g, start in enumerate(range(0, len(meta), size)):
         lengths = padded[start : start + size]
         bins = pack_sequences(
@@ -405,7 +226,7 @@ def test_shard_meta_for_dp_packing_is_never_worse_than_packing_alone(case: tuple
 def test_shard_meta_for_dp_packing_meets_count_and_sync_targets() -> None:
     """N=512, capacity 8192, dp=8 (lognormal): ceil(ceil(sum/cap)/dp) micro-batches per rank, sync cost <= 1.01."""
     for seed in range(4):
-        lengths = _lognormal(512, seed)
+        lengths = lognormal_lengths(512, seed)
         meta = KVBatchMeta("p", [f"k{i}" for i in range(512)], sequence_lengths=lengths)
         shards, _ = shard_meta_for_dp(meta, dp_world=8, packing=PackingSpec(8192))
         loads = [s.extra_info["micro_batch_lengths"][0] for s in shards]
