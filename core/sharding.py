@@ -13,9 +13,12 @@ Invariants of ``shards, unsorted = shard_meta_for_dp(meta, dp_world=k, ...)``:
   * inverse: ``concat_keys[unsorted[i]] == meta.keys[i]``, where ``concat_keys``
     are the shards' keys concatenated in rank order;
   * rows travel whole: a key keeps its own sequence length and tags;
-  * with packing or dynamic batching: in each global batch every rank has the
-    same number of micro-batches, each micro-batch's padded token count is at
-    most the capacity, and ``micro_batch_indices`` tile the shard's rows.
+  * micro-batches: every shard carries ``micro_batch_indices``, one entry per
+    global batch, whose spans tile the shard's rows in order; in each global
+    batch every rank has the same number of micro-batches (one, the rank's
+    whole share, without packing or dynamic batching), and with packing or
+    dynamic batching each micro-batch's padded token count is at most the
+    capacity.
 
 ``PackingSpec``, ``DynamicBatchingSpec`` (:mod:`core.micro_batch`) and
 ``balanced_partition`` (:mod:`core.partition`) are re-exported here.
@@ -123,13 +126,15 @@ def shard_meta_for_dp(
       the costliest run is as cheap as a greedy cut allows; runs are dealt
       out as packed bins are.
 
-    With packing or dynamic batching each shard's ``extra_info`` gains
-    ``micro_batch_indices`` (per global batch, the ``(start, end)`` row ranges
-    of the shard's micro-batches, as positions in the shard) and
-    ``micro_batch_lengths`` (per global batch, each micro-batch's padded token
-    count); every rank gets the same number of micro-batches per global batch
-    while its row count may differ. Rows of a micro-batch keep their original
-    order.
+    Every shard's ``extra_info`` gains ``micro_batch_indices``: per global
+    batch, the ``(start, end)`` row ranges of the shard's micro-batches, as
+    positions in the shard; they tile the shard's rows in order. Without
+    packing or dynamic batching each global batch is one micro-batch per rank
+    (its whole share). With packing or dynamic batching ``extra_info`` also
+    gains ``micro_batch_lengths`` (per global batch, each micro-batch's padded
+    token count), and a rank's row count may differ from another's. In every
+    mode each rank gets the same number of micro-batches per global batch, and
+    rows of a micro-batch keep their original order.
 
     Args:
         meta: the batch; ``sequence_lengths`` is needed to balance or pack.
@@ -158,6 +163,8 @@ def shard_meta_for_dp(
         >>> shards, unsorted = shard_meta_for_dp(m, dp_world=2)
         >>> [s.keys for s in shards], unsorted
         ([('a', 'b'), ('c', 'd')], (0, 1, 2, 3))
+        >>> shards[0].extra_info["micro_batch_indices"]
+        (((0, 2),),)
     """
     if not isinstance(meta, KVBatchMeta):
         raise TypeError(f"'meta' must be a KVBatchMeta: got {type(meta).__name__}")
@@ -221,10 +228,10 @@ def shard_meta_for_dp(
 
     shards = []
     for r in range(dp):
-        shard = meta.subset(rows[r])
+        info: dict[str, object] = {MICRO_BATCH_INDICES: tuple(spans[r])}
         if spec is not None:
-            shard = shard.with_extra_info(**{MICRO_BATCH_INDICES: tuple(spans[r]), MICRO_BATCH_LENGTHS: tuple(tokens[r])})
-        shards.append(shard)
+            info[MICRO_BATCH_LENGTHS] = tuple(tokens[r])
+        shards.append(meta.subset(rows[r]).with_extra_info(**info))
     return tuple(shards), inverse_permutation([i for r in range(dp) for i in rows[r]])
 
 

@@ -1,7 +1,8 @@
 """Laws of length-balanced DP sharding (``core/sharding.py``).
 
-Partition and inverse laws for every mode; uniform micro-batch counts, tiling
-and capacity under packing / dynamic batching; balance against ``balanced_partition`` and
+Partition and inverse laws for every mode; micro-batch spans stamped on every
+shard (tiling, one entry per global batch, uniform counts); capacity under
+packing / dynamic batching; balance against ``balanced_partition`` and
 ``pack_sequences`` as references; ``global_pad_length``,
 ``shard_row_indices``, and the error paths.
 """
@@ -29,6 +30,8 @@ from tests.property.references import micro_batch_tokens, padded_length
 from tests.property.strategies import lognormal_lengths, micro_batching_cases, sharding_cases
 
 MICRO = settings(max_examples=40)  # each example shards a whole meta; keeps the file fast
+EVERY_MODE = st.one_of(sharding_cases(with_lengths=None).map(lambda c: (*c, None)), micro_batching_cases())
+"""``(meta, dp_world, batch_size, spec)``: plain (spec None, lengths or not), packing or dynamic batching."""
 
 
 def _concat_keys(shards: tuple[KVBatchMeta, ...]) -> list[str]:
@@ -144,6 +147,7 @@ def test_shard_meta_for_dp_of_an_empty_meta_gives_empty_shards() -> None:
     for spec in (None, PackingSpec(8)):
         shards, unsorted = shard_meta_for_dp(meta, dp_world=3, packing=spec)
         assert [len(s) for s in shards] == [0, 0, 0]
+        assert [s.extra_info["micro_batch_indices"] for s in shards] == [(), (), ()]
         assert unsorted == ()
 
 
@@ -158,10 +162,11 @@ def _shard(meta: KVBatchMeta, dp: int, batch_size: int | None, spec: object) -> 
     return shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size)
 
 
-@given(micro_batching_cases())
+@given(EVERY_MODE)
 @MICRO
 def test_shard_meta_for_dp_gives_every_rank_the_same_micro_batch_count(case: tuple) -> None:
-    """In each global batch every rank has the same (non-zero) number of micro-batches."""
+    """In every mode: one micro_batch_indices entry per global batch on every rank, and in each global batch
+    every rank has the same (non-zero) number of micro-batches."""
     meta, dp, batch_size, spec = case
     shards, _ = _shard(meta, dp, batch_size, spec)
     batches = len(meta) // (batch_size or len(meta))
@@ -172,19 +177,38 @@ def test_shard_meta_for_dp_gives_every_rank_the_same_micro_batch_count(case: tup
         assert per_rank[0][g] >= 1
 
 
-@given(micro_batching_cases())
+@given(EVERY_MODE)
 @MICRO
 def test_shard_meta_for_dp_micro_batches_tile_the_shard_rows(case: tuple) -> None:
-    """micro_batch_indices are non-empty, contiguous, in order, and cover the shard's rows exactly."""
+    """In every mode, micro_batch_indices are non-empty, contiguous, in order, and cover the shard's rows exactly;
+    global batch g's spans cover exactly the shard's rows from global batch g."""
     meta, dp, batch_size, spec = case
     shards, _ = _shard(meta, dp, batch_size, spec)
+    size = batch_size or len(meta)
+    source = {k: i for i, k in enumerate(meta.keys)}
     for shard in shards:
-        spans = [span for batch in shard.extra_info["micro_batch_indices"] for span in batch]
         position = 0
-        for start, end in spans:
-            assert start == position and end > start
-            position = end
+        for g, batch in enumerate(shard.extra_info["micro_batch_indices"]):
+            first = position
+            for start, end in batch:
+                assert start == position and end > start
+                position = end
+            assert {source[k] // size for k in shard.keys[first:position]} == {g}
         assert position == len(shard)
+
+
+@given(sharding_cases(with_lengths=None))
+@MICRO
+def test_shard_meta_for_dp_without_micro_batching_stamps_one_span_per_global_batch(case: tuple) -> None:
+    """Without packing or dynamic batching each global batch is one micro-batch per rank (its whole share),
+    and no micro_batch_lengths are stamped."""
+    meta, dp, batch_size = case
+    shards, _ = shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size)
+    share = (batch_size or len(meta)) // dp
+    batches = len(meta) // (batch_size or len(meta))
+    for shard in shards:
+        assert shard.extra_info["micro_batch_indices"] == tuple(((g * share, (g + 1) * share),) for g in range(batches))
+        assert "micro_batch_lengths" not in shard.extra_info
 
 
 @given(micro_batching_cases())
