@@ -110,9 +110,12 @@ def shard_meta_for_dp(
     * Neither ``packing`` nor ``dynamic_batching``: each global batch is split
       into ``dp_world`` equal-size parts by :func:`balanced_partition` of its
       sequence lengths, rows kept in their original order inside a rank. When
-      ``meta.sequence_lengths`` is None the split is contiguous instead (rank
-      ``r`` gets the ``r``-th block of each global batch) and ``unsorted`` is
-      the identity.
+      ``meta.sequence_lengths`` is None the split is contiguous instead: rank
+      ``r`` gets the ``r``-th block of ``batch_size // dp_world`` rows of each
+      global batch. ``unsorted`` is then the identity only when there is one
+      global batch or one rank; with several global batches and ranks, rank
+      0's blocks of every global batch come first in the concatenation, so
+      e.g. 4 rows, ``dp_world=2``, ``batch_size=2`` give ``(0, 2, 1, 3)``.
     * ``packing``: each global batch is packed with
       :func:`core.packing.pack_sequences` (bin count a multiple of
       ``dp_world``); when a smaller multiple of ``dp_world`` bins can still
@@ -165,6 +168,11 @@ def shard_meta_for_dp(
         ([('a', 'b'), ('c', 'd')], (0, 1, 2, 3))
         >>> shards[0].extra_info["micro_batch_indices"]
         (((0, 2),),)
+        >>> shards, unsorted = shard_meta_for_dp(KVBatchMeta("p", ["a", "b", "c", "d"]), dp_world=2, batch_size=2)
+        >>> [s.keys for s in shards], unsorted
+        ([('a', 'c'), ('b', 'd')], (0, 2, 1, 3))
+        >>> shards[0].extra_info["micro_batch_indices"]
+        (((0, 1),), ((1, 2),))
     """
     if not isinstance(meta, KVBatchMeta):
         raise TypeError(f"'meta' must be a KVBatchMeta: got {type(meta).__name__}")

@@ -141,6 +141,24 @@ def test_shard_meta_for_dp_splits_contiguously_without_lengths(case: tuple) -> N
         assert unsorted == tuple(range(len(meta)))
 
 
+@given(sharding_cases(with_lengths=False))
+@MICRO
+def test_shard_meta_for_dp_unsorted_is_the_identity_only_for_one_global_batch_or_one_rank(case: tuple) -> None:
+    """Without lengths, unsorted is the identity exactly when there is one global batch or one rank."""
+    meta, dp, batch_size = case
+    _, unsorted = shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size)
+    one_batch = batch_size is None or batch_size == len(meta)
+    assert (unsorted == tuple(range(len(meta)))) == (one_batch or dp == 1)
+
+
+def test_shard_meta_for_dp_unsorted_interleaves_global_batches_without_lengths() -> None:
+    """The documented example: 4 rows, 2 ranks, 2 global batches give rank 0 rows a, c and unsorted (0, 2, 1, 3)."""
+    shards, unsorted = shard_meta_for_dp(KVBatchMeta("p", list("abcd")), dp_world=2, batch_size=2)
+    assert [s.keys for s in shards] == [("a", "c"), ("b", "d")]
+    assert unsorted == (0, 2, 1, 3)
+    assert [s.extra_info["micro_batch_indices"] for s in shards] == [(((0, 1),), ((1, 2),))] * 2
+
+
 def test_shard_meta_for_dp_of_an_empty_meta_gives_empty_shards() -> None:
     """An empty meta has no global batches: every rank gets an empty shard, even with packing."""
     meta = KVBatchMeta("p", [], sequence_lengths=[])
