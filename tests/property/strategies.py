@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 from hypothesis import strategies as st
@@ -49,6 +50,23 @@ def meta_and_permutation(draw: st.DrawFn) -> tuple[KVBatchMeta, list[int]]:
     meta = draw(metas())
     perm = draw(st.permutations(list(range(len(meta)))))
     return meta, perm
+
+
+@st.composite
+def concat_operands(draw: st.DrawFn, *, count: int = 3) -> list[KVBatchMeta]:
+    """``count`` metas that concat accepts in any grouping: one partition and task name, disjoint keys,
+    agreeing extra_info; some are the empty meta ``KVBatchMeta()``, some have zero rows."""
+    task = draw(st.sampled_from([None, "addition"]))
+    shared_info = draw(st.dictionaries(st.sampled_from(["step", "note", "pad"]), st.integers(0, 9), max_size=3))
+    out = []
+    for i in range(count):
+        if draw(st.integers(0, 3)) == 0:
+            out.append(KVBatchMeta())
+            continue
+        meta = draw(metas(max_size=6))
+        info = {name: value for name, value in shared_info.items() if draw(st.booleans())}
+        out.append(attrs.evolve(meta, keys=[f"{i}-{k}" for k in meta.keys], extra_info=info, task_name=task))
+    return out
 
 
 permutations_of_range = st.integers(0, 64).flatmap(lambda n: st.permutations(list(range(n))))
