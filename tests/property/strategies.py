@@ -17,6 +17,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from core.meta import KVBatchMeta
 from core.packing import PACKING_ALGORITHMS
+from core.step_plan import StepLayout
 from core.micro_batch import DynamicBatchingSpec, PackingSpec
 from core.topology import AXES, NamedSharding
 
@@ -206,6 +207,47 @@ def micro_batching_cases(draw: st.DrawFn) -> tuple[KVBatchMeta, int, int | None,
     else:
         spec = DynamicBatchingSpec(capacity, sequence_length_round=step)
     return meta, dp, draw(st.sampled_from([batch_size, None] if batches == 1 else [batch_size])), spec
+
+
+# step plans (core/step_plan.py)
+
+
+@st.composite
+def step_cases(draw: st.DrawFn) -> tuple[KVBatchMeta, StepLayout]:
+    """``(meta, layout)`` that ``shard_step`` accepts, train or not: plain, packing or dynamic batching,
+    with or without a train global batch size, pad multiple and TP size."""
+    plain = sharding_cases(with_lengths=True).map(lambda c: (*c, None))
+    meta, dp, batch_size, spec = draw(st.one_of(plain, micro_batching_cases()))
+    layout = StepLayout(
+        dp_size=dp,
+        train_global_batch_size=batch_size,
+        packing=spec if isinstance(spec, PackingSpec) else None,
+        dynamic_batching=spec if isinstance(spec, DynamicBatchingSpec) else None,
+        pad_multiple=draw(st.none() | st.integers(1, 16)),
+        tensor_parallel=draw(st.sampled_from([1, 2, 4])),
+    )
+    return meta, layout
+
+
+@st.composite
+def train_results(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """One worker train result per DP rank (1..4 ranks), every rank with the same number of optimizer steps."""
+    steps = draw(st.integers(0, 4))
+    finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)
+    grad_norm = draw(st.lists(st.floats(0, 1e3, width=32), min_size=steps, max_size=steps))
+    out = []
+    for _ in range(draw(st.integers(1, 4))):
+        micro_batches = draw(st.lists(st.integers(1, 3), min_size=steps, max_size=steps))
+        out.append(
+            {
+                "loss": draw(st.lists(finite, min_size=steps, max_size=steps)),
+                "grad_norm": grad_norm,
+                "metrics": [[{"loss": draw(finite)} for _ in range(count)] for count in micro_batches],
+                "micro_batches": micro_batches,
+                "forward_seq_length": draw(st.integers(0, 512)),
+            }
+        )
+    return out
 
 
 # ---------------------------------------------------------------- tensors
