@@ -34,6 +34,11 @@ EVERY_MODE = st.one_of(sharding_cases(with_lengths=None).map(lambda c: (*c, None
 """``(meta, dp_world, batch_size, spec)``: plain (spec None, lengths or not), packing or dynamic batching."""
 
 
+def _global_batch_size_and_positions(meta: KVBatchMeta, batch_size: int | None) -> tuple[int, dict[str, int]]:
+    """Rows per global batch, and each key's position in meta."""
+    return batch_size or len(meta), {k: i for i, k in enumerate(meta.keys)}
+
+
 def _concat_keys(shards: tuple[KVBatchMeta, ...]) -> list[str]:
     return [k for s in shards for k in s.keys]
 
@@ -87,8 +92,7 @@ def test_shard_meta_for_dp_keeps_global_batches_in_order(case: tuple) -> None:
     """A shard holds global batch 0's rows, then global batch 1's, and so on."""
     meta, dp, batch_size, spec = case
     shards, _ = _shard(meta, dp, batch_size, spec)
-    size = batch_size or len(meta)
-    source = {k: i for i, k in enumerate(meta.keys)}
+    size, source = _global_batch_size_and_positions(meta, batch_size)
     for shard in shards:
         batch_of_row = [source[k] // size for k in shard.keys]
         assert batch_of_row == sorted(batch_of_row)
@@ -102,9 +106,8 @@ def test_shard_meta_for_dp_keeps_global_batches_in_order(case: tuple) -> None:
 def test_shard_meta_for_dp_gives_each_rank_an_equal_share_of_each_global_batch(case: tuple) -> None:
     """Without packing, every rank gets batch_size // dp_world rows of every global batch."""
     meta, dp, batch_size = case
-    shards, _ = shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size)
-    size = batch_size or len(meta)
-    source = {k: i for i, k in enumerate(meta.keys)}
+    shards, _ = _shard(meta, dp, batch_size, None)
+    size, source = _global_batch_size_and_positions(meta, batch_size)
     for shard in shards:
         counts = np.bincount([source[k] // size for k in shard.keys], minlength=len(meta) // size)
         assert set(counts.tolist()) == {size // dp}
@@ -116,8 +119,7 @@ def test_shard_meta_for_dp_balances_each_global_batch_like_balanced_partition(ca
     """Sharding then summing equals balanced_partition of each global batch (the reference)."""
     meta, dp, batch_size = case
     shards, _ = shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size)
-    size = batch_size or len(meta)
-    source = {k: i for i, k in enumerate(meta.keys)}
+    size, source = _global_batch_size_and_positions(meta, batch_size)
     lengths = list(meta.sequence_lengths)
     for start in range(0, len(meta), size):
         reference = balanced_partition(lengths[start : start + size], dp)
@@ -202,8 +204,7 @@ def test_shard_meta_for_dp_micro_batches_tile_the_shard_rows(case: tuple) -> Non
     global batch g's spans cover exactly the shard's rows from global batch g."""
     meta, dp, batch_size, spec = case
     shards, _ = _shard(meta, dp, batch_size, spec)
-    size = batch_size or len(meta)
-    source = {k: i for i, k in enumerate(meta.keys)}
+    size, source = _global_batch_size_and_positions(meta, batch_size)
     for shard in shards:
         position = 0
         for g, batch in enumerate(shard.extra_info["micro_batch_indices"]):
