@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 from hypothesis import strategies as st
@@ -16,7 +17,8 @@ from tensordict import NonTensorStack, TensorDict
 
 from core.meta import KVBatchMeta
 from core.packing import PACKING_ALGORITHMS
-from core.sharding import DynamicBatchingSpec, PackingSpec
+from core.step_plan import StepLayout
+from core.micro_batch import DynamicBatchingSpec, PackingSpec
 from core.topology import AXES, NamedSharding
 
 # ---------------------------------------------------------------- metadata
@@ -49,6 +51,23 @@ def meta_and_permutation(draw: st.DrawFn) -> tuple[KVBatchMeta, list[int]]:
     meta = draw(metas())
     perm = draw(st.permutations(list(range(len(meta)))))
     return meta, perm
+
+
+@st.composite
+def concat_operands(draw: st.DrawFn, *, count: int = 3) -> list[KVBatchMeta]:
+    """``count`` metas that concat accepts in any grouping: one partition and task name, disjoint keys,
+    agreeing extra_info; some are the empty meta ``KVBatchMeta()``, some have zero rows."""
+    task = draw(st.sampled_from([None, "addition"]))
+    shared_info = draw(st.dictionaries(st.sampled_from(["step", "note", "pad"]), st.integers(0, 9), max_size=3))
+    out = []
+    for i in range(count):
+        if draw(st.integers(0, 3)) == 0:
+            out.append(KVBatchMeta())
+            continue
+        meta = draw(metas(max_size=6))
+        info = {name: value for name, value in shared_info.items() if draw(st.booleans())}
+        out.append(attrs.evolve(meta, keys=[f"{i}-{k}" for k in meta.keys], extra_info=info, task_name=task))
+    return out
 
 
 permutations_of_range = st.integers(0, 64).flatmap(lambda n: st.permutations(list(range(n))))
@@ -121,7 +140,14 @@ def distinct_lengths_and_permutation(draw: st.DrawFn) -> tuple[list[int], int, l
     return lengths, capacity, draw(st.permutations(list(range(len(lengths)))))
 
 
-# sharding (core/sharding.py)
+# partitioning and sharding (core/partition.py, core/sharding.py)
+
+
+def lognormal_lengths(n: int, seed: int) -> list[int]:
+    """``n`` reproducible lognormal sequence lengths (median 700, clipped to [16, 8192]), like real rollouts."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.rint(rng.lognormal(np.log(700), 1.0, n)), 16, 8192).astype(int).tolist()
+
 
 partition_weight_values = st.sampled_from([st.integers(0, 1000), st.integers(0, 9), st.floats(0, 1e4, allow_nan=False)]).flatmap(lambda s: s)
 
@@ -181,6 +207,47 @@ def micro_batching_cases(draw: st.DrawFn) -> tuple[KVBatchMeta, int, int | None,
     else:
         spec = DynamicBatchingSpec(capacity, sequence_length_round=step)
     return meta, dp, draw(st.sampled_from([batch_size, None] if batches == 1 else [batch_size])), spec
+
+
+# step plans (core/step_plan.py)
+
+
+@st.composite
+def step_cases(draw: st.DrawFn) -> tuple[KVBatchMeta, StepLayout]:
+    """``(meta, layout)`` that ``shard_step`` accepts, train or not: plain, packing or dynamic batching,
+    with or without a train global batch size, pad multiple and TP size."""
+    plain = sharding_cases(with_lengths=True).map(lambda c: (*c, None))
+    meta, dp, batch_size, spec = draw(st.one_of(plain, micro_batching_cases()))
+    layout = StepLayout(
+        dp_size=dp,
+        train_global_batch_size=batch_size,
+        packing=spec if isinstance(spec, PackingSpec) else None,
+        dynamic_batching=spec if isinstance(spec, DynamicBatchingSpec) else None,
+        pad_multiple=draw(st.none() | st.integers(1, 16)),
+        tensor_parallel=draw(st.sampled_from([1, 2, 4])),
+    )
+    return meta, layout
+
+
+@st.composite
+def train_results(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """One worker train result per DP rank (1..4 ranks), every rank with the same number of optimizer steps."""
+    steps = draw(st.integers(0, 4))
+    finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)
+    grad_norm = draw(st.lists(st.floats(0, 1e3, width=32), min_size=steps, max_size=steps))
+    out = []
+    for _ in range(draw(st.integers(1, 4))):
+        micro_batches = draw(st.lists(st.integers(1, 3), min_size=steps, max_size=steps))
+        out.append(
+            {
+                "loss": draw(st.lists(finite, min_size=steps, max_size=steps)),
+                "grad_norm": grad_norm,
+                "metrics": [[{"loss": draw(finite)} for _ in range(count)] for count in micro_batches],
+                "micro_batches": micro_batches,
+                "forward_seq_length": draw(st.integers(0, 512)),
+            }
+        )
+    return out
 
 
 # ---------------------------------------------------------------- tensors
