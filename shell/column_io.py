@@ -24,10 +24,10 @@ from tensordict import TensorDict
 
 from adapters.rows import build_tensordict, read_columns_of
 from core.codec import Layout, is_jagged, materialize, pack_fields, to_jagged
+from core.fields import GLOBAL_FORWARD_PAD_SEQLEN
 from core.meta import KVBatchMeta
 from shell.dataplane import DataPlaneClient
 
-GLOBAL_FORWARD_PAD_SEQLEN = "global_forward_pad_seqlen"
 Columns = Mapping[str, Any]
 
 

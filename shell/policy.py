@@ -74,13 +74,12 @@ class PolicyConfig:
 
     @layout.default
     def _layout(self) -> StepLayout:
-        return StepLayout(
-            dp_size=self.sharding.axis_size("data_parallel"),
+        return StepLayout.for_sharding(
+            self.sharding,
             train_global_batch_size=self.train_global_batch_size,
             packing=self.packing,
             dynamic_batching=self.dynamic_batching,
             pad_multiple=self.pad_multiple,
-            tensor_parallel=self.sharding.axis_size("tensor_parallel"),
         )
 
     def worker_config(self) -> PolicyWorkerConfig:

@@ -30,6 +30,7 @@ from core.fields import INPUT_IDS, LENGTHS, TOKEN_MASK
 from core.meta import KVBatchMeta
 from core.model_config import TinyGPTConfig
 from core.rollout_carry import RolloutCarry
+from core.step_plan import LEGACY_PARTITION
 from core.task import EOS_ID, Prompt, Task
 from shell.column_io import first_write
 from shell.dataplane import DataPlaneClient
@@ -39,8 +40,7 @@ from shell.worker import Worker, on_all_ranks
 
 ClientFactory = Callable[[], DataPlaneClient]
 ROLLOUT_TOKEN_FIELDS: tuple[str, ...] = (INPUT_IDS, TOKEN_MASK)
-LEGACY_PARTITION = "legacy"
-"""The partition named by the metas of rows that travel through the driver (nothing is stored there)."""
+
 _SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 

@@ -37,7 +37,7 @@ from tensordict import TensorDict
 
 from adapters.rows import build_tensordict
 from core.codec import is_jagged, to_jagged, to_padded
-from core.fields import GLOBAL_FORWARD_PAD_SEQLEN, is_token_field
+from core.fields import GLOBAL_FORWARD_PAD_SEQLEN, LENGTHS, is_token_field
 from core.meta import KVBatchMeta
 from core.sharding import shard_row_indices
 from shell.column_io import read_columns, write_columns
@@ -154,7 +154,7 @@ def slice_rank_batch(data: TensorDict, rows: Sequence[int], lengths: Sequence[in
             columns[name] = to_padded(to_jagged(dense[index], row_lengths), pad_to_length=pad_to)
         else:
             columns[name] = value[index]
-    columns["lengths"] = torch.tensor(row_lengths, dtype=torch.long)
+    columns[LENGTHS] = torch.tensor(row_lengths, dtype=torch.long)
     return build_tensordict(columns, len(row_lengths))
 
 

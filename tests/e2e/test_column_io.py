@@ -8,7 +8,8 @@ import torch
 from tensordict import TensorDict
 
 from core.codec import is_jagged, jagged_lengths
-from shell.column_io import GLOBAL_FORWARD_PAD_SEQLEN, first_write, read_columns, write_columns
+from core.fields import GLOBAL_FORWARD_PAD_SEQLEN
+from shell.column_io import first_write, read_columns, write_columns
 from shell.dataplane import DataPlaneClient
 
 LENGTHS = [3, 0, 6, 2]
