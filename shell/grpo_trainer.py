@@ -128,6 +128,7 @@ def policy_config(config: DictConfig, model: TinyGPTConfig) -> PolicyConfig:
         seed=int(config.seed),
         packing=PackingSpec(max_tokens_per_microbatch=tokens) if tokens else None,
         learning_rate=float(p.learning_rate),
+        fetch_policy=p.fetch_policy.value,
         train_global_batch_size=None if p.train_global_batch_size is None else int(p.train_global_batch_size),
         num_cpus_per_worker=float(p.num_cpus_per_worker),
         timeout_s=float(p.timeout_s),
@@ -271,7 +272,6 @@ class GRPOTrainer:
             self.client,
             MeteredFactory(inner_factory, verify),
             partition_id=self.partition,
-            fetch_policy=self.config.policy.fetch_policy.value,
         )
 
     def _open_store(self) -> tuple[DataPlaneClient, Callable[[], DataPlaneClient]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, get_args
 
 import attrs
 import torch
@@ -28,7 +28,7 @@ from core.model_config import TinyGPTConfig
 from core.sharding import DynamicBatchingSpec, PackingSpec
 from core.step_plan import StepLayout, TrainResult, merge_train, shard_step, stamp_step
 from core.topology import NamedSharding
-from shell.policy_worker import ClientFactory, PolicyWorker, PolicyWorkerConfig
+from shell.policy_worker import ClientFactory, FetchPolicy, PolicyWorker, PolicyWorkerConfig
 from shell.step_rows import StepRows
 from shell.transport import Transport
 from shell.worker_group import WorkerGroup
@@ -52,6 +52,7 @@ class PolicyConfig:
         pad_multiple: the step's pad length is a multiple of this (None: the
             packing pad multiple, else the TP size).
         learning_rate: Adam's step size.
+        fetch_policy: how each replica group fetches data-plane rows (see :data:`shell.policy_worker.FetchPolicy`).
         num_cpus_per_worker: Ray CPUs per rank.
         timeout_s: how long a call may take.
 
@@ -68,6 +69,7 @@ class PolicyConfig:
     dynamic_batching: DynamicBatchingSpec | None = attrs.field(default=None, validator=_optional(DynamicBatchingSpec))
     pad_multiple: int | None = attrs.field(default=None, validator=_optional(int))
     learning_rate: float = 1e-3
+    fetch_policy: FetchPolicy = attrs.field(default="auto", validator=attrs.validators.in_(get_args(FetchPolicy)))
     num_cpus_per_worker: float = 0.25
     timeout_s: float = 600.0
     layout: StepLayout = attrs.field(init=False)
@@ -84,7 +86,9 @@ class PolicyConfig:
 
     def worker_config(self) -> PolicyWorkerConfig:
         """The settings every worker builds its backend from."""
-        return PolicyWorkerConfig(model=self.model, seed=self.seed, learning_rate=self.learning_rate)
+        return PolicyWorkerConfig(
+            model=self.model, seed=self.seed, learning_rate=self.learning_rate, fetch_policy=self.fetch_policy
+        )
 
 
 def build_group(

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 import attrs
 import ray
@@ -47,10 +47,13 @@ from core.meta import KVBatchMeta
 from core.step_plan import micro_batch_spans
 from shell.column_io import read_columns, write_columns
 from shell.dataplane import DataPlaneClient
-from shell.rank_input import FetchPolicy, RankInput
+from shell.rank_input import RankInput
 from shell.worker import Worker, on_all_ranks, sharded
 
 ClientFactory = Callable[[], DataPlaneClient]
+FetchPolicy = Literal["auto", "independent", "leader_broadcast"]
+"""How a replica group reads its rows: every rank reads (``independent``), the leader reads and broadcasts
+(``leader_broadcast``), or leader broadcast when the replica group has more than one rank (``auto``)."""
 LOGPROB_OUTPUTS: tuple[str, ...] = (PREV_LOGPROBS, REFERENCE_LOGPROBS)
 """What :meth:`PolicyWorker.logprobs` can compute: the policy's and the frozen reference's log-probs."""
 _FETCH_POLICIES: tuple[str, ...] = get_args(FetchPolicy)
@@ -65,6 +68,7 @@ class PolicyWorkerConfig:
         seed: the initial weights' seed.
         device: ``"cpu"`` (megatron's CPU shim) or ``"cuda"``.
         learning_rate: Adam's step size.
+        fetch_policy: how the replica group fetches data-plane rows (see :data:`FetchPolicy`).
         torch_threads: intra-op threads per worker (1 keeps a shared CPU machine usable).
     """
 
@@ -72,6 +76,7 @@ class PolicyWorkerConfig:
     seed: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
     device: str = attrs.field(default="cpu", validator=attrs.validators.in_(("cpu", "cuda")))
     learning_rate: float = 1e-3
+    fetch_policy: FetchPolicy = attrs.field(default="auto", validator=attrs.validators.in_(get_args(FetchPolicy)))
     torch_threads: int = 1
 
 
@@ -223,20 +228,22 @@ class PolicyWorker(Worker):
         meta: KVBatchMeta,
         *,
         fields: Sequence[str] | None = None,
-        policy: FetchPolicy = "auto",
+        policy: FetchPolicy | None = None,
         layout: Layout = "padded",
     ) -> TensorDict:
         """This rank's batch of ``meta``'s rows: ``fields`` (default ``meta.fields``) plus ``lengths``.
 
-        ``policy="independent"``: every rank reads the store; ``"leader_broadcast"``:
-        the replica leader reads and broadcasts to its replica group (two
-        phases, no tensor pickled); ``"auto"``: leader broadcast when the
-        replica group has more than one rank.
+        ``policy`` (default: the worker config's ``fetch_policy``): ``"independent"``,
+        every rank reads the store; ``"leader_broadcast"``, the replica leader
+        reads and broadcasts to its replica group (two phases, no tensor
+        pickled); ``"auto"``, leader broadcast when the replica group has more
+        than one rank.
 
         Raises:
             ValueError: an unknown ``policy``.
             KeyError: a key or field is not stored (on every rank of the replica group).
         """
+        policy = self.config.fetch_policy if policy is None else policy
         if policy not in _FETCH_POLICIES:
             raise ValueError(f"'policy' must be one of {list(_FETCH_POLICIES)}: got {policy!r}")
         names = list(meta.fields if fields is None else fields)

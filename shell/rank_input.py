@@ -19,7 +19,7 @@ byte-identical rank batch (``tests/e2e/test_policy_parity_data.py``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -31,7 +31,6 @@ from core.meta import KVBatchMeta
 if TYPE_CHECKING:  # the worker calls these methods; importing it here would be circular
     from shell.policy_worker import PolicyWorker
 
-FetchPolicy = Literal["auto", "independent", "leader_broadcast"]
 Outputs = Mapping[str, torch.Tensor]
 
 
@@ -41,11 +40,9 @@ class StoreShard:
 
     Args:
         meta: the rank's shard of the step meta (keys, lengths, ``extra_info``).
-        fetch_policy: how the replica group fetches (see :meth:`PolicyWorker.fetch`).
     """
 
     meta: KVBatchMeta = attrs.field(validator=attrs.validators.instance_of(KVBatchMeta))
-    fetch_policy: FetchPolicy = "auto"
 
     @property
     def extra_info(self) -> FrozenDict:
@@ -53,8 +50,8 @@ class StoreShard:
         return self.meta.extra_info
 
     def rows(self, worker: PolicyWorker, fields: Sequence[str]) -> TensorDict:
-        """The rank batch, fetched from the store (by the replica leader, or by every rank)."""
-        return worker.fetch(self.meta, fields=fields, policy=self.fetch_policy)
+        """The rank batch, fetched from the store as the worker's ``fetch_policy`` says."""
+        return worker.fetch(self.meta, fields=fields)
 
     def deliver(self, worker: PolicyWorker, outputs: Outputs) -> dict[str, Any]:
         """Write ``outputs`` (per-token) under the shard's keys from the replica leader; report the store I/O."""

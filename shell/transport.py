@@ -44,7 +44,7 @@ from shell.column_io import read_columns, write_columns
 from shell.dataplane import DataPlaneClient
 from shell.metering import column_bytes
 from shell.policy_worker import ClientFactory
-from shell.rank_input import FetchPolicy, InlineShard, RankInput, StoreShard
+from shell.rank_input import InlineShard, RankInput, StoreShard
 from shell.step_rows import StepRows
 
 
@@ -226,7 +226,6 @@ class DataPlaneTransport:
         client: the driver's store client (a :class:`shell.metering.MeteredClient` also reports store time).
         client_factory: how each worker opens its own client (picklable).
         partition_id: the store partition of the run's rows.
-        fetch_policy: how a replica group fetches (see :meth:`shell.policy_worker.PolicyWorker.fetch`).
     """
 
     def __init__(
@@ -235,12 +234,10 @@ class DataPlaneTransport:
         client_factory: ClientFactory,
         *,
         partition_id: str,
-        fetch_policy: FetchPolicy = "auto",
     ) -> None:
         self.client = client
         self._factory = client_factory
         self._partition = partition_id
-        self.fetch_policy: FetchPolicy = fetch_policy
         self._open: dict[str, None] = {}  # keys written in the open step, in write order
         self._io = {"ms": 0.0, "bytes": 0.0}
         self._bytes = 0
@@ -263,7 +260,7 @@ class DataPlaneTransport:
     def rank_inputs(
         self, rows: StepRows, shards: Sequence[KVBatchMeta], unsorted: Sequence[int], fields: Sequence[str]
     ) -> list[RankInput]:
-        return [StoreShard(shard, self.fetch_policy) for shard in shards]
+        return [StoreShard(shard) for shard in shards]
 
     def collect(
         self, rows: StepRows, results: Sequence[Mapping[str, Any]], unsorted: Sequence[int], names: Sequence[str]

@@ -103,7 +103,7 @@ def _check_parity(client: DataPlaneClient, data: TensorDict, dp: int, gbs: int |
             assert len(legacy) == len(same_meta) == len(stored) == len(shards) == dp
             counts, widths = set(), set()
             for rank, (inline, inline_same, store_input, meta) in enumerate(zip(legacy, same_meta, stored, shards)):
-                assert isinstance(inline, InlineShard) and store_input == StoreShard(meta, "auto")
+                assert isinstance(inline, InlineShard) and store_input == StoreShard(meta)
                 fetched = fetch_rank_batch(client, meta, FIELDS)
                 assert _canonical(fetched) == _canonical(inline.data), f"rank {rank} (train={train}) differs"
                 assert _canonical(fetched) == _canonical(inline_same.data), f"rank {rank} (train={train}, one meta) differs"
