@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import math
 import os
 import pickle
@@ -42,7 +41,6 @@ from typing import Any
 import attrs
 import ray
 import torch
-from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 
 from adapters.megatron import TinyGPTConfig
@@ -58,7 +56,7 @@ from shell.metering import MeteredClient
 from shell.phases import PhaseTimer
 from shell.policy import DataPlanePolicy, Policy, PolicyConfig, TrainResult, build_group, tensor_bytes
 from shell.rollout import RolloutConfig, RolloutResult, RolloutWorker
-from shell.run_config import ConfigError, StoreBackend
+from shell.run_config import RunConfig, StoreBackend, dump_run_config
 from shell.worker_group import WorkerGroup
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -66,86 +64,49 @@ _VOCAB_MULTIPLE = 8
 
 
 # ---------------------------------------------------------------- configuration -> parts
+# The loader (shell.run_config) made every check: building the parts raises nothing.
 
 
-def build_task(config: DictConfig) -> Task:
-    """The task named by ``task.name`` (``addition`` or ``package.module:Class``), built with ``task.kwargs``.
-
-    Raises:
-        ConfigError: the name cannot be imported, the class rejects its
-            kwargs, or it does not implement :class:`core.task.Task`.
-    """
-    name = str(config.task.name)
-    kwargs = OmegaConf.to_container(config.task.kwargs, resolve=True) or {}
-    if name == "addition":
-        name = "core.addition:AdditionTask"
-    module_name, _, class_name = name.partition(":")
-    if not class_name:
-        raise ConfigError("task.name", f"must be 'addition' or 'package.module:Class': got {name!r}")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as error:
-        raise ConfigError("task.name", f"cannot import {name!r}: {error}") from None
-    try:
-        task = cls(**kwargs)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as error:
-        raise ConfigError("task.kwargs", f"{name} rejected {kwargs}: {error}") from None
-    if not isinstance(task, Task):
-        raise ConfigError("task.name", f"{name} does not implement core.task.Task (prompts, prompt_ids, rewards, ...)")
-    return task
+def build_task(config: RunConfig) -> Task:
+    """The run's task (``task.name`` built with ``task.kwargs``; loaded and probed by the config's checks)."""
+    return config.task.instance
 
 
-def model_config(config: DictConfig, task: Task) -> TinyGPTConfig:
-    """The tiny GPT's shape: the config's sizes and the task's vocabulary (padded to a multiple of 8 and of TP).
-
-    Raises:
-        ConfigError: the longest prompt plus ``max_new_tokens`` does not fit ``policy.model.max_sequence_length``.
-    """
-    m, tp = config.policy.model, int(config.policy.layout.tensor_parallel)
-    longest = max(len(task.prompt_ids(p)) for p in task.prompts(int(config.seed), 0, 64))
-    needed = longest + int(task.max_new_tokens)
-    if needed > m.max_sequence_length:
-        raise ConfigError(
-            "policy.model.max_sequence_length",
-            f"must fit the task's prompts plus max_new_tokens ({longest} + {task.max_new_tokens} = {needed}): "
-            f"got {m.max_sequence_length}",
-        )
-    multiple = math.lcm(_VOCAB_MULTIPLE, tp)
+def model_config(config: RunConfig, task: Task) -> TinyGPTConfig:
+    """The tiny GPT's shape: the config's sizes and the task's vocabulary (padded to a multiple of 8 and of TP)."""
+    m = config.policy.model
     return TinyGPTConfig(
-        vocab_size=task.tokenizer.padded_vocab_size(multiple),
-        hidden_size=int(m.hidden_size),
-        num_layers=int(m.num_layers),
-        num_attention_heads=int(m.num_attention_heads),
-        max_sequence_length=int(m.max_sequence_length),
+        vocab_size=task.tokenizer.padded_vocab_size(math.lcm(_VOCAB_MULTIPLE, config.policy.layout.tensor_parallel)),
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        max_sequence_length=m.max_sequence_length,
     )
 
 
-def policy_config(config: DictConfig, model: TinyGPTConfig) -> PolicyConfig:
+def policy_config(config: RunConfig, model: TinyGPTConfig) -> PolicyConfig:
     """The policy's layout, packing and optimizer settings."""
     p = config.policy
-    tokens = int(p.micro_batch_tokens)
     return PolicyConfig(
         sharding=NamedSharding({
-            "data_parallel": int(p.layout.data_parallel),
-            "tensor_parallel": int(p.layout.tensor_parallel),
-            "pipeline_parallel": int(p.layout.pipeline_parallel),
+            "data_parallel": p.layout.data_parallel,
+            "tensor_parallel": p.layout.tensor_parallel,
+            "pipeline_parallel": p.layout.pipeline_parallel,
         }),
         model=model,
-        seed=int(config.seed),
-        packing=PackingSpec(max_tokens_per_microbatch=tokens) if tokens else None,
-        learning_rate=float(p.learning_rate),
-        train_global_batch_size=None if p.train_global_batch_size is None else int(p.train_global_batch_size),
-        num_cpus_per_worker=float(p.num_cpus_per_worker),
-        timeout_s=float(p.timeout_s),
+        seed=config.seed,
+        packing=PackingSpec(max_tokens_per_microbatch=p.micro_batch_tokens) if p.micro_batch_tokens else None,
+        learning_rate=p.learning_rate,
+        train_global_batch_size=p.train_global_batch_size,
+        num_cpus_per_worker=p.num_cpus_per_worker,
+        timeout_s=p.timeout_s,
     )
 
 
-def loss_fn(config: DictConfig) -> GRPOLoss:
+def loss_fn(config: RunConfig) -> GRPOLoss:
     """The GRPO loss of the config (with the sample mask, so filtered rows do not count)."""
     loss = config.grpo.loss
-    return GRPOLoss(
-        clip_low=float(loss.clip_low), clip_high=float(loss.clip_high), kl_coef=float(loss.kl_coef), sample_mask=True
-    )
+    return GRPOLoss(clip_low=loss.clip_low, clip_high=loss.clip_high, kl_coef=loss.kl_coef, sample_mask=True)
 
 
 @attrs.frozen
@@ -231,14 +192,11 @@ class GRPOTrainer:
 
     Call :meth:`start`, then :meth:`step` for each step, and :meth:`close`
     (also on errors). ``with GRPOTrainer(config) as trainer:`` does both ends.
-
-    Raises:
-        ConfigError: the task or model cannot be built from ``config``.
     """
 
     def __init__(
         self,
-        config: DictConfig,
+        config: RunConfig,
         *,
         client: DataPlaneClient | None = None,
         client_factory: Callable[[], DataPlaneClient] | None = None,
@@ -582,7 +540,7 @@ class GRPOTrainer:
         path = Path(run_dir) / CHECKPOINT_FILE
         tmp = path.with_suffix(".tmp")
         torch.save(
-            {"step": step, "weights": self.policy_state(), "config": OmegaConf.to_yaml(self.config)}, tmp
+            {"step": step, "weights": self.policy_state(), "config": dump_run_config(self.config)}, tmp
         )
         os.replace(tmp, path)
         return path

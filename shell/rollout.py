@@ -32,6 +32,7 @@ from shell.column_io import first_write
 from shell.dataplane import DataPlaneClient
 from shell.loss import TOKEN_MASK
 from shell.policy_worker import INPUT_IDS, LENGTHS, client_io
+from shell.run_task import checked_rewards
 from shell.worker_group import Worker
 
 ClientFactory = Callable[[], DataPlaneClient]
@@ -188,7 +189,7 @@ class RolloutWorker(Worker):
         )
         responses = [sequences[r, int(prompt_lengths[r]) : int(lengths[r])].tolist() for r in range(len(encoded))]
         row_prompts = [p for p in prompts for _ in range(num_generations)]
-        rewards = task.rewards(row_prompts, responses)
+        rewards = checked_rewards(task, row_prompts, responses)
         positions = torch.arange(sequences.shape[1])
         token_mask = (positions >= prompt_lengths[:, None]) & (positions < lengths[:, None])
         carry = RolloutCarry(

@@ -32,11 +32,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from shell.run_config import ConfigError, ProgressMode, describe_keys, load_run_config
+from shell.run_config import ConfigError, ProgressMode, RunConfig, describe_keys, load_run_config, save_run_config
 from shell.run_log import MetricsLog, RunProgress, plot_run, read_metrics
 
 METRICS_FILE = "metrics.jsonl"
@@ -77,7 +76,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def _run_dir(config: DictConfig, resume: str | None) -> Path:
+def _run_dir(config: RunConfig, resume: str | None) -> Path:
     if config.run.dir is not None:
         return Path(str(config.run.dir))
     if resume is not None:
@@ -125,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     run_dir = _run_dir(config, args.resume)
     run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(config, run_dir / "config.yaml")
+    save_run_config(config, run_dir / "config.yaml")
     first = 1 if checkpoint is None else int(checkpoint["step"]) + 1
     total = int(config.grpo.num_steps)
     mode = config.run.progress
