@@ -56,6 +56,7 @@ from shell.metering import MeteredClient
 from shell.phases import PhaseTimer
 from shell.policy import DataPlanePolicy, Policy, PolicyConfig, TrainResult, build_group, tensor_bytes
 from shell.rollout import RolloutConfig, RolloutResult, RolloutWorker
+from shell.ray_cluster import connect as connect_ray
 from shell.run_config import RunConfig, StoreBackend, dump_run_config
 from shell.worker_group import WorkerGroup
 
@@ -237,20 +238,7 @@ class GRPOTrainer:
             WorkerError: a worker failed to start.
         """
         say = on_status or (lambda _message: None)
-        if not ray.is_initialized():
-            address = self.config.ray.address
-            path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
-            say(f"starting Ray ({'embedded' if address is None else address})")
-            if address is None:
-                ray.init(
-                    num_cpus=int(self.config.ray.num_cpus),
-                    include_dashboard=False,
-                    runtime_env={"env_vars": {"PYTHONPATH": path}},
-                    log_to_driver=False,
-                )
-            else:
-                ray.init(address=str(address), runtime_env={"env_vars": {"PYTHONPATH": path}}, log_to_driver=False)
-            self._owns_ray = True
+        self._owns_ray = connect_ray(self.config.ray, say) or self._owns_ray
         factory = None
         if self.data_plane:
             say(f"starting the store ({self.config.data_plane.backend.value})")
