@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import math
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -641,45 +640,3 @@ def test_run_config_cannot_be_built_invalid_by_evolve(defaults: RunConfig) -> No
         attrs.evolve(defaults.grpo, temperature=math.inf)
     with _raises_naming("policy.layout.tensor_parallel"):
         attrs.evolve(defaults.policy, layout=attrs.evolve(defaults.policy.layout, tensor_parallel=3))
-
-
-# ---------------------------------------------------------------- the command line (shell.run)
-
-
-def test_parse_args_help_lists_every_config_key(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--help`` exits 0 and lists every key of ``describe_keys`` with its comment."""
-    from shell.run import parse_args
-
-    with pytest.raises(SystemExit) as info:
-        parse_args(["--help"])
-    assert info.value.code == 0
-    out = capsys.readouterr().out
-    for key, value, comment in describe_keys():
-        assert re.search(rf"^\s+{re.escape(key)}={re.escape(value)}\s+{re.escape(comment)}$", out, re.M), key
-
-
-def test_parse_args_collects_options_and_overrides() -> None:
-    """Options go to their attributes and ``key=value`` items to ``overrides``, in order."""
-    from shell.run import parse_args
-
-    args = parse_args(["--config", "c.yaml", "grpo.num_steps=2", "seed=1"])
-    assert (args.config, args.resume, args.overrides) == ("c.yaml", None, ["grpo.num_steps=2", "seed=1"])
-
-
-@pytest.mark.parametrize(("argv", "key"), [(["grpo.nope=1"], "grpo.nope"), (["grpo.num_steps=0"], "grpo.num_steps")])
-def test_main_rejects_a_bad_config_before_starting_anything(capsys: pytest.CaptureFixture[str], argv: list[str], key: str) -> None:
-    """A bad key or value makes ``main`` return 2 within seconds, name the key on stderr, and leave Ray as it was."""
-    import ray
-
-    import shell.grpo_trainer  # noqa: F401  (main imports it; its import time is not what is measured)
-    from shell.run import EXIT_USAGE, main
-
-    was_initialized = ray.is_initialized()  # True when an e2e session cluster runs in this process
-    start = time.monotonic()
-    status = main(argv)
-    elapsed = time.monotonic() - start
-    captured = capsys.readouterr()
-    assert status == EXIT_USAGE == 2
-    assert key in captured.err
-    assert elapsed < 5.0
-    assert ray.is_initialized() == was_initialized, "a rejected config must not start (or stop) Ray"
