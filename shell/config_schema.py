@@ -157,6 +157,8 @@ def _section(cls: type) -> Any:
 
 @attrs.frozen
 class RunSection:
+    """``run``: where the run writes and what it shows."""
+
     PATH: ClassVar[str] = "run."
     dir: str | None = _key("output folder (metrics.jsonl, plot, checkpoint); null: runs/<timestamp>/", _non_empty)
     progress: ProgressMode = _key("auto | bar | plain | off")
@@ -167,6 +169,8 @@ class RunSection:
 
 @attrs.frozen
 class RaySection:
+    """``ray``: the Ray cluster the run starts or joins (:mod:`shell.ray_cluster`)."""
+
     PATH: ClassVar[str] = "ray."
     address: str | None = _key("join a running cluster: 'auto' or host:port; null: start an embedded one", _ray_address)
     num_cpus: int = _key("logical CPUs of an embedded cluster (TransferQueue's actors need 3)", _at_least(1))
@@ -174,6 +178,8 @@ class RaySection:
 
 @attrs.frozen
 class DapoSection:
+    """``grpo.dapo``: DAPO dynamic sampling."""
+
     PATH: ClassVar[str] = "grpo.dapo."
     enabled: bool = _key("DAPO dynamic sampling: keep only groups whose rewards vary")
     max_generation_batches: int = _key("give up (error) after this many generation batches in a step", _at_least(1))
@@ -181,6 +187,8 @@ class DapoSection:
 
 @attrs.frozen
 class LossSection:
+    """``grpo.loss``: the clipped GRPO loss and its KL term."""
+
     PATH: ClassVar[str] = "grpo.loss."
     clip_low: float = _number("ratio clipped below at 1 - clip_low", _within(0, 1))
     clip_high: float = _number("ratio clipped above at 1 + clip_high", _at_least(0))
@@ -189,6 +197,8 @@ class LossSection:
 
 @attrs.frozen
 class GrpoSection:
+    """``grpo``: steps, groups, sampling and advantages."""
+
     PATH: ClassVar[str] = "grpo."
     num_steps: int = _key("GRPO steps", _at_least(1))
     num_prompts_per_step: int = _key("prompts (groups) per step", _at_least(1))
@@ -205,6 +215,8 @@ class GrpoSection:
 
 @attrs.frozen
 class LayoutSection:
+    """``policy.layout``: how many ranks, along each parallel axis."""
+
     PATH: ClassVar[str] = "policy.layout."
     data_parallel: int = _key("DP ranks (model replicas)", _at_least(1))
     tensor_parallel: int = _key("TP ranks per replica", _at_least(1))
@@ -218,6 +230,8 @@ class LayoutSection:
 
 @attrs.frozen
 class ModelSection:
+    """``policy.model``: the tiny GPT's sizes (its vocabulary comes from the task)."""
+
     PATH: ClassVar[str] = "policy.model."
     hidden_size: int = _key("transformer width", _at_least(1))
     num_layers: int = _key("transformer layers", _at_least(1))
@@ -235,6 +249,8 @@ class ModelSection:
 
 @attrs.frozen
 class PolicySection:
+    """``policy``: the trained model, its layout and its optimizer."""
+
     PATH: ClassVar[str] = "policy."
     layout: LayoutSection = _section(LayoutSection)
     model: ModelSection = _section(ModelSection)
@@ -277,6 +293,8 @@ class TaskSection:
 
 @attrs.frozen
 class DataPlaneSection:
+    """``data_plane``: whether and how the bulk rows go through a store."""
+
     PATH: ClassVar[str] = "data_plane."
     enabled: bool = _key("true: bulk tensors go through the store; false: the legacy in-memory path")
     backend: StoreBackend = _key("transfer_queue | memory")
