@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -76,6 +77,7 @@ def ray_head() -> Iterator[tuple[str, str]]:
         except subprocess.TimeoutExpired:
             head.kill()
             head.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_run_joins_a_ray_start_cluster_by_address(ray_head: tuple[str, str], tmp_path: Path) -> None:
@@ -111,11 +113,15 @@ def test_connect_embedded_starts_its_own_cluster_whatever_runs(ray_head: tuple[s
     if case == "running cluster":
         env = _env(RAY_TMPDIR=head_tmp, RAY_ADDRESS=address)
     else:
-        stale = tempfile.mkdtemp(prefix="rldp-", dir="/tmp")
+        stale = tempfile.mkdtemp(prefix="rldp-", dir="/tmp")  # short: Ray's socket paths live under it
         (Path(stale) / "ray").mkdir()
         (Path(stale) / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{_free_port()}")
         env = _env(RAY_TMPDIR=stale)
-    done = subprocess.run([sys.executable, "-c", _CONNECT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    try:
+        done = subprocess.run([sys.executable, "-c", _CONNECT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    finally:
+        if case != "running cluster":
+            shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
     (gcs,) = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("GCS ")]
     assert gcs.rpartition(":")[2] != address.rpartition(":")[2], "the embedded run joined the running cluster"
