@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import math
 import os
 import pickle
@@ -35,7 +34,6 @@ from typing import Any
 import attrs
 import ray
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from core.fields import ADVANTAGES, SAMPLE_MASK
 from core.model_config import TinyGPTConfig
@@ -50,7 +48,8 @@ from shell.metering import MeteredClient
 from shell.phases import PhaseTimer
 from shell.policy import Policy, PolicyConfig
 from shell.rollout import RolloutConfig, RolloutResult, RolloutWorker
-from shell.run_config import ConfigError, StoreBackend
+from shell.ray_cluster import connect as connect_ray
+from shell.run_config import RunConfig, StoreBackend, dump_run_config
 from shell.step_rows import StepRows
 from shell.transport import DataPlaneTransport, LegacyTransport, Transport, TransportReport
 from shell.worker_group import WorkerGroup
@@ -60,87 +59,50 @@ _VOCAB_MULTIPLE = 8
 
 
 # ---------------------------------------------------------------- configuration -> parts
+# The loader (shell.run_config) made every check: building the parts raises nothing.
 
 
-def build_task(config: DictConfig) -> Task:
-    """The task named by ``task.name`` (``addition`` or ``package.module:Class``), built with ``task.kwargs``.
-
-    Raises:
-        ConfigError: the name cannot be imported, the class rejects its
-            kwargs, or it does not implement :class:`core.task.Task`.
-    """
-    name = str(config.task.name)
-    kwargs = OmegaConf.to_container(config.task.kwargs, resolve=True) or {}
-    if name == "addition":
-        name = "core.addition:AdditionTask"
-    module_name, _, class_name = name.partition(":")
-    if not class_name:
-        raise ConfigError("task.name", f"must be 'addition' or 'package.module:Class': got {name!r}")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as error:
-        raise ConfigError("task.name", f"cannot import {name!r}: {error}") from None
-    try:
-        task = cls(**kwargs)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as error:
-        raise ConfigError("task.kwargs", f"{name} rejected {kwargs}: {error}") from None
-    if not isinstance(task, Task):
-        raise ConfigError("task.name", f"{name} does not implement core.task.Task (prompts, prompt_ids, rewards, ...)")
-    return task
+def build_task(config: RunConfig) -> Task:
+    """The run's task (``task.name`` built with ``task.kwargs``; loaded and probed by the config's checks)."""
+    return config.task.instance
 
 
-def model_config(config: DictConfig, task: Task) -> TinyGPTConfig:
-    """The tiny GPT's shape: the config's sizes and the task's vocabulary (padded to a multiple of 8 and of TP).
-
-    Raises:
-        ConfigError: the longest prompt plus ``max_new_tokens`` does not fit ``policy.model.max_sequence_length``.
-    """
-    m, tp = config.policy.model, int(config.policy.layout.tensor_parallel)
-    longest = max(len(task.prompt_ids(p)) for p in task.prompts(int(config.seed), 0, 64))
-    needed = longest + int(task.max_new_tokens)
-    if needed > m.max_sequence_length:
-        raise ConfigError(
-            "policy.model.max_sequence_length",
-            f"must fit the task's prompts plus max_new_tokens ({longest} + {task.max_new_tokens} = {needed}): "
-            f"got {m.max_sequence_length}",
-        )
-    multiple = math.lcm(_VOCAB_MULTIPLE, tp)
+def model_config(config: RunConfig, task: Task) -> TinyGPTConfig:
+    """The tiny GPT's shape: the config's sizes and the task's vocabulary (padded to a multiple of 8 and of TP)."""
+    m = config.policy.model
     return TinyGPTConfig(
-        vocab_size=task.tokenizer.padded_vocab_size(multiple),
-        hidden_size=int(m.hidden_size),
-        num_layers=int(m.num_layers),
-        num_attention_heads=int(m.num_attention_heads),
-        max_sequence_length=int(m.max_sequence_length),
+        vocab_size=task.tokenizer.padded_vocab_size(math.lcm(_VOCAB_MULTIPLE, config.policy.layout.tensor_parallel)),
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        max_sequence_length=m.max_sequence_length,
     )
 
 
-def policy_config(config: DictConfig, model: TinyGPTConfig) -> PolicyConfig:
+def policy_config(config: RunConfig, model: TinyGPTConfig) -> PolicyConfig:
     """The policy's layout, packing and optimizer settings."""
     p = config.policy
-    tokens = int(p.micro_batch_tokens)
     return PolicyConfig(
         sharding=NamedSharding({
-            "data_parallel": int(p.layout.data_parallel),
-            "tensor_parallel": int(p.layout.tensor_parallel),
-            "pipeline_parallel": int(p.layout.pipeline_parallel),
+            "data_parallel": p.layout.data_parallel,
+            "tensor_parallel": p.layout.tensor_parallel,
+            "pipeline_parallel": p.layout.pipeline_parallel,
         }),
         model=model,
-        seed=int(config.seed),
-        packing=PackingSpec(max_tokens_per_microbatch=tokens) if tokens else None,
-        learning_rate=float(p.learning_rate),
+        seed=config.seed,
+        packing=PackingSpec(max_tokens_per_microbatch=p.micro_batch_tokens) if p.micro_batch_tokens else None,
+        learning_rate=p.learning_rate,
         fetch_policy=p.fetch_policy.value,
-        train_global_batch_size=None if p.train_global_batch_size is None else int(p.train_global_batch_size),
-        num_cpus_per_worker=float(p.num_cpus_per_worker),
-        timeout_s=float(p.timeout_s),
+        train_global_batch_size=p.train_global_batch_size,
+        num_cpus_per_worker=p.num_cpus_per_worker,
+        timeout_s=p.timeout_s,
     )
 
 
-def loss_fn(config: DictConfig) -> GRPOLoss:
+def loss_fn(config: RunConfig) -> GRPOLoss:
     """The GRPO loss of the config (with the sample mask, so filtered rows do not count)."""
     loss = config.grpo.loss
-    return GRPOLoss(
-        clip_low=float(loss.clip_low), clip_high=float(loss.clip_high), kl_coef=float(loss.kl_coef), sample_mask=True
-    )
+    return GRPOLoss(clip_low=loss.clip_low, clip_high=loss.clip_high, kl_coef=loss.kl_coef, sample_mask=True)
 
 
 @attrs.frozen
@@ -181,14 +143,11 @@ class GRPOTrainer:
 
     Call :meth:`start`, then :meth:`step` for each step, and :meth:`close`
     (also on errors). ``with GRPOTrainer(config) as trainer:`` does both ends.
-
-    Raises:
-        ConfigError: the task or model cannot be built from ``config``.
     """
 
     def __init__(
         self,
-        config: DictConfig,
+        config: RunConfig,
         *,
         client: DataPlaneClient | None = None,
         client_factory: Callable[[], DataPlaneClient] | None = None,
@@ -200,8 +159,8 @@ class GRPOTrainer:
         self.model = model_config(config, self.task)
         self.policy_config = policy_config(config, self.model)
         self.loss = loss_fn(config)
-        self.data_plane = bool(config.data_plane.enabled)
-        self.partition = str(config.data_plane.partition)
+        self.data_plane = config.data_plane.enabled
+        self.partition = config.data_plane.partition
         self._given_client = client
         self._given_factory = client_factory
         self._owns_ray = False
@@ -229,20 +188,7 @@ class GRPOTrainer:
             WorkerError: a worker failed to start.
         """
         say = on_status or (lambda _message: None)
-        if not ray.is_initialized():
-            address = self.config.ray.address
-            path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
-            say(f"starting Ray ({'embedded' if address is None else address})")
-            if address is None:
-                ray.init(
-                    num_cpus=int(self.config.ray.num_cpus),
-                    include_dashboard=False,
-                    runtime_env={"env_vars": {"PYTHONPATH": path}},
-                    log_to_driver=False,
-                )
-            else:
-                ray.init(address=str(address), runtime_env={"env_vars": {"PYTHONPATH": path}}, log_to_driver=False)
-            self._owns_ray = True
+        self._owns_ray = connect_ray(self.config.ray, say) or self._owns_ray
         transport = self.transport = self._open_transport(say)
         say(f"starting {self.policy_config.sharding.world_size} policy workers and the rollout engine")
         self.policy = Policy(self.policy_config, transport)
@@ -250,12 +196,12 @@ class GRPOTrainer:
             RolloutWorker,
             NamedSharding({"data_parallel": 1}),
             init_args=(
-                RolloutConfig(self.model, int(self.config.seed), self.task, float(self.config.grpo.temperature)),
+                RolloutConfig(self.model, self.config.seed, self.task, self.config.grpo.temperature),
                 transport.client_factory,
             ),
             backend="gloo",
-            num_cpus_per_worker=float(self.config.policy.num_cpus_per_worker),
-            timeout_s=float(self.config.policy.timeout_s),
+            num_cpus_per_worker=self.config.policy.num_cpus_per_worker,
+            timeout_s=self.config.policy.timeout_s,
             name_prefix=f"rollout-{os.getpid()}",
         )
         self.rollout.call(RolloutWorker.setup)
@@ -266,7 +212,7 @@ class GRPOTrainer:
             return LegacyTransport()
         say(f"starting the store ({self.config.data_plane.backend.value})")
         inner, inner_factory = self._open_store()
-        verify = bool(self.config.data_plane.verify_integrity)
+        verify = self.config.data_plane.verify_integrity
         self.client = MeteredClient(inner, verify_integrity=verify)
         return DataPlaneTransport(
             self.client,
@@ -378,9 +324,9 @@ class GRPOTrainer:
         with self.timer.phase("advantages"):
             plan = plan_advantages(
                 carry,
-                leave_one_out=bool(g.leave_one_out),
-                normalize_by_std=bool(g.normalize_by_std),
-                overlong_filter=bool(g.overlong_filter),
+                leave_one_out=g.leave_one_out,
+                normalize_by_std=g.normalize_by_std,
+                overlong_filter=g.overlong_filter,
             )
         tags = {"baseline": plan.baseline, "std": plan.std, "reward": carry.rewards}
         rows = policy.prepare(rows.with_meta(rows.meta.stamp_tags(tags)))
@@ -401,24 +347,24 @@ class GRPOTrainer:
     def _generate(self, step: int) -> tuple[list[RolloutResult], StepRows, RolloutCarry]:
         """Generation batches until the step has its groups (one batch unless DAPO drops some)."""
         g = self.config.grpo
-        target = int(g.num_prompts_per_step)
-        dapo = bool(g.dapo.enabled)
-        limit = int(g.dapo.max_generation_batches) if dapo else 1
+        target = g.num_prompts_per_step
+        dapo = g.dapo.enabled
+        limit = g.dapo.max_generation_batches if dapo else 1
         rows: StepRows | None = None
         carry: RolloutCarry | None = None
         batches: list[RolloutResult] = []
         kept_groups = 0
         for batch_index in range(limit):
-            prompts = self.task.prompts(int(self.config.seed), step * limit + batch_index, target)
+            prompts = self.task.prompts(self.config.seed, step * limit + batch_index, target)
             with self.timer.phase("rollout"):
                 (result,) = self._rollout.call(
                     RolloutWorker.generate,
                     prompts,
                     step=step,
                     batch_index=batch_index,
-                    num_generations=int(g.num_generations_per_prompt),
+                    num_generations=g.num_generations_per_prompt,
                     partition_id=self._transport.partition_id,
-                    num_texts=int(self.config.run.samples_to_log),
+                    num_texts=self.config.run.samples_to_log,
                     key_prefix=self.run_id + "-",
                 )
             batches.append(result)
@@ -481,7 +427,7 @@ class GRPOTrainer:
             "samples": [
                 {"prompt_id": int(pid), "response": text, "reward": float(r)}
                 for pid, text, r in zip(first.carry.prompt_ids, first.responses, first.carry.rewards)
-            ][: int(self.config.run.samples_to_log)],
+            ][: self.config.run.samples_to_log],
         }
 
     # ------------------------------------------------------------ checkpoints
@@ -491,7 +437,7 @@ class GRPOTrainer:
         path = Path(run_dir) / CHECKPOINT_FILE
         tmp = path.with_suffix(".tmp")
         torch.save(
-            {"step": step, "weights": self.policy_state(), "config": OmegaConf.to_yaml(self.config)}, tmp
+            {"step": step, "weights": self.policy_state(), "config": dump_run_config(self.config)}, tmp
         )
         os.replace(tmp, path)
         return path

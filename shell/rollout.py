@@ -35,6 +35,7 @@ from core.task import EOS_ID, Prompt, Task
 from shell.column_io import first_write
 from shell.dataplane import DataPlaneClient
 from shell.policy_worker import client_io
+from shell.run_task import checked_rewards
 from shell.step_rows import StepRows
 from shell.worker import Worker, on_all_ranks
 
@@ -196,7 +197,7 @@ class RolloutWorker(Worker):
         )
         responses = [sequences[r, int(prompt_lengths[r]) : int(lengths[r])].tolist() for r in range(len(encoded))]
         row_prompts = [p for p in prompts for _ in range(num_generations)]
-        rewards = task.rewards(row_prompts, responses)
+        rewards = checked_rewards(task, row_prompts, responses)
         positions = torch.arange(sequences.shape[1])
         token_mask = (positions >= prompt_lengths[:, None]) & (positions < lengths[:, None])
         carry = RolloutCarry(

@@ -222,6 +222,46 @@ def read_metrics(path: PathLike) -> list[Record]:
 # ---------------------------------------------------------------- the metrics file
 
 
+def keep_steps_through(path: PathLike, last_step: int) -> int:
+    """Rewrite the JSON-lines file ``path`` keeping only its records with ``step <= last_step`` (``--resume``).
+
+    Used for ``metrics.jsonl`` and ``samples.jsonl``, so that a run resumed from
+    the checkpoint of step ``last_step`` logs the later steps once. The file is
+    replaced atomically, and only when a record is dropped.
+
+    Args:
+        path: the file; a missing file is left missing.
+        last_step: the last step to keep.
+
+    Returns:
+        How many records were dropped.
+
+    Raises:
+        TypeError: ``last_step`` is not an int, or a record's ``step`` is not an int.
+        ValueError: a line is not one JSON object, or a record has no ``step``.
+
+    Example:
+        >>> keep_steps_through("runs/demo/samples.jsonl", 40)  # doctest: +SKIP
+        16
+    """
+    if isinstance(last_step, bool) or not isinstance(last_step, numbers.Integral):
+        raise TypeError(f"'last_step' must be an int step: got {type(last_step).__name__}")
+    path = Path(path)
+    if not path.exists():
+        return 0
+    records = _parse_lines(path.read_text(encoding="utf-8"), path)
+    kept = [r for i, r in enumerate(records) if _step_of(r, f"{path} record {i}") <= last_step]
+    if len(kept) < len(records):
+        scratch = path.with_name(path.name + ".tmp")
+        with scratch.open("w", encoding="utf-8") as file:
+            for record in kept:
+                file.write(json.dumps(record, allow_nan=False) + "\n")
+        os.replace(scratch, path)
+    return len(records) - len(kept)
+
+
+
+
 class MetricsLog:
     """Append-only JSON-lines metrics file, one record per step, flushed on every write.
 
@@ -250,28 +290,18 @@ class MetricsLog:
         self._path.parent.mkdir(parents=True, exist_ok=True)
         self._last_step: int | None = None
         needs_newline = False
+        if drop_after is not None:
+            keep_steps_through(self._path, drop_after)
         if self._path.exists():
             text = self._path.read_text(encoding="utf-8")
             records = _parse_lines(text, self._path)
             steps = [_step_of(record, f"{self._path} record {i}") for i, record in enumerate(records)]
-            if drop_after is not None and any(step > drop_after for step in steps):
-                kept = [record for record, step in zip(records, steps) if step <= drop_after]
-                steps = [step for step in steps if step <= drop_after]
-                self._rewrite(kept)
-            elif text and not text.endswith("\n"):
-                needs_newline = True
+            needs_newline = bool(text) and not text.endswith("\n")
             self._last_step = steps[-1] if steps else None
         self._file: TextIO | None = self._path.open("a", encoding="utf-8")
         if needs_newline:
             self._file.write("\n")
             self._file.flush()
-
-    def _rewrite(self, records: Sequence[Record]) -> None:
-        scratch = self._path.with_name(self._path.name + ".tmp")
-        with scratch.open("w", encoding="utf-8") as file:
-            for record in records:
-                file.write(json.dumps(record, allow_nan=False) + "\n")
-        os.replace(scratch, self._path)
 
     @property
     def path(self) -> Path:

@@ -117,17 +117,40 @@ def test_run_writes_metrics_plot_samples_and_checkpoint(runs: dict[str, Any]) ->
 
 
 def test_run_resume_continues_from_checkpoint(runs: dict[str, Any], tmp_path: Path, partition: str) -> None:
-    """``--resume`` appends steps num_steps+1.. to the same metrics file, starting from the saved weights."""
+    """``--resume`` appends steps num_steps+1.. to the same metrics and samples files, starting from the saved
+    weights; records a crashed run logged after its checkpoint are dropped first, so every step appears once."""
     run_dir = tmp_path / "resumed"
     source = runs["data_plane"]["dir"]
     run_dir.mkdir()
-    for name in ("metrics.jsonl", "checkpoint.pt"):
+    for name in ("metrics.jsonl", "checkpoint.pt", "samples.jsonl"):
         (run_dir / name).write_bytes((source / name).read_bytes())
+    for name in ("metrics.jsonl", "samples.jsonl"):  # a step logged after the checkpoint, before a crash
+        with (run_dir / name).open("a") as file:
+            file.write(json.dumps({"step": STEPS + 1, "crashed": True}) + "\n")
     status = _run([*SMALL, f"grpo.num_steps={STEPS + 2}", f"data_plane.partition={partition}", "--resume", str(run_dir)])
     assert status == 0
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 3))
     assert load_checkpoint(run_dir)["step"] == STEPS + 2
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    per_step = [s["step"] for s in samples]
+    assert per_step == sorted(per_step) and set(per_step) == set(range(1, STEPS + 3))
+    assert not any(r.get("crashed") for r in records + samples)
+    assert per_step.count(STEPS + 1) == per_step.count(1)
+
+
+def test_run_refuses_to_reuse_a_run_dir_and_resume_to_no_new_step(
+    runs: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A finished run's folder is refused without --resume (naming --resume), and --resume with
+    grpo.num_steps at the checkpoint's step is an error (exit 2), not 'done'; its files are untouched."""
+    source = runs["legacy"]["dir"]
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    assert _run([*SMALL, f"run.dir={source}"]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert _run([*SMALL, "--resume", str(source)]) == 2
+    assert "must exceed the checkpoint's step" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before
 
 
 def test_run_rejects_bad_config_before_starting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -704,3 +704,39 @@ def digest_dense_rows(draw: st.DrawFn) -> torch.Tensor:
 def digest_object_rows(draw: st.DrawFn) -> list[Any]:
     """Per-row Python objects (as ``store_object_values``) for object digests."""
     return draw(st.lists(store_object_values, max_size=6))
+
+
+# ---------------------------------------------------------------- run config (shell/run_config.py)
+
+config_texts = st.text(
+    alphabet=st.characters(categories=("L", "N", "P", "S", "Zs"), exclude_characters="\x85\u2028\u2029"),
+    min_size=1,
+    max_size=12,
+)
+"""Non-empty text a string config value may hold (letters, digits, punctuation, symbols, spaces)."""
+
+plain_override_texts = config_texts.filter(lambda t: not t.startswith(("'", '"')))
+"""Text after ``key=`` of a string key that is read as typed (one that starts with a quote is parsed as YAML)."""
+
+yaml_11_words = st.sampled_from(
+    ["off", "on", "no", "yes", "n", "y", "Off", "NO", "true", "False", "null", "~", "12:30:00", "0777", "0x1F",
+     "1e3", ".inf", ".nan", "2026-11-23", "<<", "=", "#1", "a: b", "- x", "!tag", "&anchor", "*alias", "%dir"]
+)
+"""Strings YAML 1.1 (and 1.2) would read as something else, or as syntax."""
+
+
+@st.composite
+def run_config_overrides(draw: st.DrawFn) -> list[str]:
+    """``key=value`` overrides that load: typed values, and string keys holding any text."""
+    out = [
+        f"seed={draw(st.integers(0, 2**31))}",
+        f"grpo.num_steps={draw(st.integers(1, 10**6))}",
+        f"grpo.temperature={draw(st.floats(1e-3, 10.0))!r}",
+        f"grpo.leave_one_out={draw(st.sampled_from(['true', 'false', 'True', 'FALSE']))}",
+        f"run.progress={draw(st.sampled_from(['auto', 'bar', 'plain', 'off']))}",
+        f"data_plane.partition={draw(st.one_of(plain_override_texts, yaml_11_words))}",
+        f"policy.fetch_policy={draw(st.sampled_from(['auto', 'independent', 'leader_broadcast']))}",
+    ]
+    if draw(st.booleans()):
+        out.append(f"run.dir={draw(st.one_of(plain_override_texts, yaml_11_words).filter(lambda t: t not in ('null', '~')))}")
+    return out

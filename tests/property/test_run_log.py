@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 from rich.console import Console
 
 from shell.phases import PhaseTimer
 from shell.run_log import (
     MetricsLog,
     RunProgress,
+    keep_steps_through,
     phase_fields,
     phase_keys,
     phase_name,
@@ -284,6 +286,34 @@ def test_metrics_log_drop_after_rejects_non_int(tmp_path: Path) -> None:
     """drop_after must be an int step."""
     with pytest.raises(TypeError, match="'drop_after' must be an int step or None: got float"):
         MetricsLog(tmp_path / "metrics.jsonl", drop_after=3.0)  # type: ignore[arg-type]
+
+
+@given(st.lists(st.integers(0, 9), max_size=12), st.integers(-1, 10))
+def test_keep_steps_through_keeps_exactly_the_records_up_to_the_step(steps: list[int], last: int) -> None:
+    """The file keeps, in order, exactly its records with step <= last (repeated steps too: samples.jsonl)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "samples.jsonl"
+        path.write_text("".join(json.dumps({"step": s, "i": i}) + "\n" for i, s in enumerate(steps)))
+        dropped = keep_steps_through(path, last)
+        kept = [{"step": s, "i": i} for i, s in enumerate(steps) if s <= last]
+        assert read_metrics(path) == kept and dropped == len(steps) - len(kept)
+
+
+def test_keep_steps_through_leaves_a_missing_file_missing(tmp_path: Path) -> None:
+    """No file: nothing is created and nothing dropped."""
+    assert keep_steps_through(tmp_path / "absent.jsonl", 3) == 0
+    assert not (tmp_path / "absent.jsonl").exists()
+
+
+def test_keep_steps_through_rejects_bad_input(tmp_path: Path) -> None:
+    """A non-int step, or a file line without an int step, is an error naming it (the file is unchanged)."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"loss": 2}\n')
+    with pytest.raises(TypeError, match="'last_step' must be an int step: got float"):
+        keep_steps_through(path, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must have an int 'step'"):
+        keep_steps_through(path, 0)
+    assert path.read_text() == '{"step": 1}\n{"loss": 2}\n'
 
 
 def test_metrics_log_creates_parent_folders_and_appends_on_new_line(tmp_path: Path) -> None:
