@@ -57,7 +57,7 @@ from shell.loss import ADVANTAGES, PREV_LOGPROBS, REFERENCE_LOGPROBS, SAMPLE_MAS
 from shell.metering import MeteredClient
 from shell.phases import PhaseTimer
 from shell.policy import DataPlanePolicy, Policy, PolicyConfig, TrainResult, build_group, tensor_bytes
-from shell.rollout import RolloutConfig, RolloutResult, RolloutWorker
+from shell.rollout import RolloutConfig, RolloutResult, RolloutWorker, step_entropy
 from shell.run_config import ConfigError, StoreBackend
 from shell.worker_group import WorkerGroup
 
@@ -465,6 +465,7 @@ class GRPOTrainer:
             "step": step,
             "reward_mean": sum(all_rewards) / len(all_rewards),
             "reward_mean_trained": sum(carry.rewards) / carry.size,
+            "entropy": step_entropy(batches),
             "loss": sum(train_result.loss) / len(train_result.loss),
             "kl": sum(kl) / len(kl) if kl else 0.0,
             "grad_norm": sum(train_result.grad_norm) / len(train_result.grad_norm),

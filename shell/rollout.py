@@ -10,7 +10,7 @@ temperature, scores them with the task, and then either
 * legacy: returns the bulk batch itself, which then travels through the driver.
 
 Invariant: for the same weights, prompts, seed, step and batch index, both
-modes build the same rows (same tokens, masks, lengths and rewards): the
+modes build the same rows (same tokens, masks, lengths, rewards and entropies): the
 sampling generator is seeded from ``(seed, step, batch_index)`` alone.
 """
 
@@ -25,6 +25,7 @@ from tensordict import TensorDict
 
 from adapters.megatron import MegatronGPTBackend, TinyGPTConfig
 from adapters.rows import build_tensordict
+from core.entropy import mean_token_entropy
 from core.meta import KVBatchMeta
 from core.rollout_carry import RolloutCarry
 from core.task import EOS_ID, Prompt, Task
@@ -86,6 +87,8 @@ class RolloutResult:
         batch: ``input_ids`` [N, S], ``token_mask`` [N, S], ``lengths`` [N] (legacy), else None.
         data_plane: the engine's store activity (``{"ms", "bytes"}``).
         responses: the decoded response text of the first rows (for logging samples).
+        entropy: per row, the summed entropy (nats) of the distributions its response tokens were drawn from.
+        response_tokens: per row, the number of response tokens (the EOS included).
     """
 
     carry: RolloutCarry
@@ -93,6 +96,19 @@ class RolloutResult:
     batch: TensorDict | None
     data_plane: Mapping[str, float]
     responses: tuple[str, ...]
+    entropy: tuple[float, ...]
+    response_tokens: tuple[int, ...]
+
+
+def step_entropy(results: Sequence[RolloutResult]) -> float:
+    """The mean sampling entropy (nats) per generated token over every row of ``results`` (a step's batches).
+
+    Raises:
+        ValueError: ``results`` holds no generated token.
+    """
+    return mean_token_entropy(
+        [h for r in results for h in r.entropy], [n for r in results for n in r.response_tokens]
+    )
 
 
 class RolloutWorker(Worker):
@@ -177,7 +193,7 @@ class RolloutWorker(Worker):
             prompt_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         prompt_lengths = torch.tensor([len(ids) for ids in encoded], dtype=torch.long)
         generator = torch.Generator().manual_seed(sampling_seed(self.config.seed, step, batch_index))
-        sequences, lengths = self.backend.generate(
+        generation = self.backend.generate(
             prompt_ids,
             prompt_lengths,
             max_new_tokens=task.max_new_tokens,
@@ -186,6 +202,9 @@ class RolloutWorker(Worker):
             temperature=self.config.temperature,
             vocab_limit=task.tokenizer.vocab_size,
         )
+        sequences, lengths = generation.sequences, generation.lengths
+        entropy = tuple(generation.entropy.tolist())
+        response_tokens = tuple((lengths - prompt_lengths).tolist())
         responses = [sequences[r, int(prompt_lengths[r]) : int(lengths[r])].tolist() for r in range(len(encoded))]
         row_prompts = [p for p in prompts for _ in range(num_generations)]
         rewards = task.rewards(row_prompts, responses)
@@ -202,7 +221,7 @@ class RolloutWorker(Worker):
         columns = {INPUT_IDS: sequences, TOKEN_MASK: token_mask}
         if partition_id is None:
             batch = build_tensordict({**columns, LENGTHS: lengths}, len(encoded))
-            return RolloutResult(carry, None, batch, {"ms": 0.0, "bytes": 0.0}, text)
+            return RolloutResult(carry, None, batch, {"ms": 0.0, "bytes": 0.0}, text, entropy, response_tokens)
         keys = [key for j in range(len(prompts)) for key in row_keys(f"{key_prefix}s{step}b{batch_index}p{j}", num_generations)]
         meta = first_write(
             self._client,  # type: ignore[arg-type]
@@ -212,7 +231,7 @@ class RolloutWorker(Worker):
             lengths=lengths.tolist(),
             token_fields=ROLLOUT_TOKEN_FIELDS,
         )
-        return RolloutResult(carry, meta, None, client_io(self._client), text)
+        return RolloutResult(carry, meta, None, client_io(self._client), text, entropy, response_tokens)
 
     def close_client(self) -> None:
         """Close the store client (a no-op without one)."""
