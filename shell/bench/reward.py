@@ -133,12 +133,15 @@ def spread(values: Sequence[float]) -> tuple[float, float, float, float]:
 
 
 def windows(steps: int, last: int = LAST) -> list[tuple[int, int]]:
-    """Step windows ``(first, last)`` for the curve table: the first ``last`` steps, ten equal spans, the final ``last``."""
+    """Step windows ``(first, last)`` for the curve table: the first ``last`` steps, ten equal spans, the final ``last``.
+
+    Spans are inclusive and distinct (a span equal to the first or the final
+    window is listed once); with ``steps == last`` the first window is the final one.
+    """
     width = max(1, steps // 10)
-    spans = [(1, min(last, steps))]
-    spans += [(a, min(a + width - 1, steps)) for a in range(1, steps + 1, width)]
-    spans.append((steps - last + 1, steps))
-    return list(dict.fromkeys(spans))
+    first, final = (1, min(last, steps)), (max(1, steps - last + 1), steps)
+    tiles = [(a, min(a + width - 1, steps)) for a in range(1, steps + 1, width)]
+    return list(dict.fromkeys([first, *(t for t in tiles if t not in (first, final)), final]))
 
 
 def window_mean(records: Records, span: tuple[int, int]) -> float:

@@ -1,0 +1,85 @@
+"""The reward bench's pure parts: per-seed headline figures, the spread over seeds, the step windows, the figure."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shell.bench.reward import LAST, RewardBenchConfig, plot_seeds, spread, summarize, window_mean, windows
+
+
+def _records(rewards: list[float], *, entropy: float = 1.0) -> list[dict[str, float]]:
+    return [
+        {"step": i + 1, "reward_mean": r, "entropy": entropy - 0.001 * i, "step_time_s": 0.5 + 0.01 * (i % 3)}
+        for i, r in enumerate(rewards)
+    ]
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=LAST, max_size=60))
+def test_summarize_reads_last_rewards_final_entropy_and_median_step(rewards: list[float]) -> None:
+    """The headline is the mean of the last 10 rewards, the last step's entropy and the median step time."""
+    records = _records(rewards)
+    summary = summarize(7, records, wall_s=12.0)
+    assert summary.seed == 7 and summary.wall_s == 12.0
+    assert summary.last_reward == pytest.approx(sum(rewards[-LAST:]) / LAST)
+    assert summary.final_entropy == records[-1]["entropy"]
+    assert summary.median_step_s == statistics.median(r["step_time_s"] for r in records)
+
+
+def test_summarize_rejects_short_runs_and_missing_entropy() -> None:
+    """Fewer than 10 steps, or a step without entropy (a run of older code), are ValueErrors naming the seed."""
+    with pytest.raises(ValueError, match="'records' of seed 3 must hold at least 10 steps: got 9"):
+        summarize(3, _records([0.0] * 9))
+    records = _records([0.0] * 12)
+    del records[4]["entropy"]
+    with pytest.raises(ValueError, match="must all have 'entropy': missing at steps \\[5\\]"):
+        summarize(3, records)
+
+
+@given(st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=10))
+def test_spread_brackets_the_mean(values: list[float]) -> None:
+    """min <= mean <= max, and std is the sample std (0 for one value)."""
+    mean, low, high, std = spread(values)
+    assert low - 1e-9 <= mean <= high + 1e-9 and (low, high) == (min(values), max(values))
+    assert std == (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+@given(st.integers(LAST, 1000))
+def test_windows_cover_every_step_once_with_the_first_and_last_ten(steps: int) -> None:
+    """Windows are distinct spans in 1..steps, start with steps 1-10, end with the last 10, and cover every step."""
+    spans = windows(steps)
+    assert spans[0] == (1, LAST) and (spans[-1] == (steps - LAST + 1, steps) or steps == LAST)
+    assert len(set(spans)) == len(spans) and all(1 <= a <= b <= steps for a, b in spans)
+    assert {step for a, b in spans for step in range(a, b + 1)} == set(range(1, steps + 1))
+
+
+def test_window_mean_averages_the_steps_inside() -> None:
+    """The window mean is over the records whose step lies in the span; an empty span is a ValueError."""
+    records = _records([0.0, 1.0, 0.5, 0.5] + [0.0] * 8)
+    assert window_mean(records, (2, 4)) == pytest.approx(2.0 / 3.0)
+    with pytest.raises(ValueError, match="'span' must cover at least one step: got \\(20, 30\\)"):
+        window_mean(records, (20, 30))
+
+
+def test_reward_bench_config_rejects_what_the_bench_sets_itself(tmp_path: Path) -> None:
+    """Seeds < 1, steps < 10, and overrides of seed / num_steps / run.dir are ValueErrors."""
+    with pytest.raises(ValueError, match="'seeds' must be >= 1: got 0"):
+        RewardBenchConfig(seeds=0, steps=20, runs_dir=tmp_path)
+    with pytest.raises(ValueError, match="'steps' must be >= 10"):
+        RewardBenchConfig(seeds=1, steps=5, runs_dir=tmp_path)
+    with pytest.raises(ValueError, match="must not set seed, grpo.num_steps or run.dir"):
+        RewardBenchConfig(seeds=1, steps=20, runs_dir=tmp_path, overrides=("seed=3",))
+    cfg = RewardBenchConfig(seeds=3, steps=20, runs_dir=tmp_path, first_seed=5)
+    assert cfg.seed_list == [5, 6, 7] and cfg.runs_dir.is_absolute()
+
+
+def test_plot_seeds_writes_a_png(tmp_path: Path) -> None:
+    """The figure of two seeds is a PNG file."""
+    runs = {0: _records([math.sin(i) ** 2 for i in range(30)]), 1: _records([0.1] * 30)}
+    path = plot_seeds(runs, tmp_path / "img" / "curve.png", title="test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
