@@ -6,7 +6,9 @@ run.dir=RUNS/seed<s> run.progress=plain`` (plus any overrides), one seed after
 the other so step times are not shared. Then it reads each ``metrics.jsonl``
 and reports, per seed, the mean reward over the last 10 steps, the final
 policy entropy and the median step time, with the mean, range and standard
-deviation over seeds; a second table gives the mean reward per window of steps.
+deviation over seeds, and a digest of the run's per-step values (two runs
+with equal digests gave bitwise the same rewards, entropies, losses, KL and
+grad norms); a second table gives the mean reward per window of steps.
 It draws every seed's reward and entropy per step into one PNG.
 
 Invariant: every number reported is read from the ``metrics.jsonl`` files of
@@ -17,6 +19,8 @@ runs of the current code, and the PNG is drawn from the same records; with
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import platform
@@ -41,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PLOT = ROOT / "docs" / "img" / "reward_curve.png"
 LAST = 10
 """The README's headline: mean reward over the last this many steps."""
+DIGEST_KEYS = ("reward_mean", "entropy", "loss", "kl", "grad_norm")
+"""The per-step values a run's digest covers: equal digests mean bitwise-equal curves."""
 Records = Sequence[Mapping[str, Any]]
 
 
@@ -90,6 +96,13 @@ class SeedSummary:
     final_entropy: float
     median_step_s: float
     wall_s: float | None
+    digest: str
+
+
+def curve_digest(records: Records) -> str:
+    """The first 12 hex digits of SHA-256 over each step's ``DIGEST_KEYS`` values (exact float reprs)."""
+    values = [[r["step"], *(r.get(k) for k in DIGEST_KEYS)] for r in records]
+    return hashlib.sha256(json.dumps(values).encode()).hexdigest()[:12]
 
 
 def cpu_name() -> str:
@@ -122,6 +135,7 @@ def summarize(seed: int, records: Records, *, wall_s: float | None = None, last:
         final_entropy=float(records[-1]["entropy"]),
         median_step_s=statistics.median(r["step_time_s"] for r in records),
         wall_s=wall_s,
+        digest=curve_digest(records),
     )
 
 
@@ -238,20 +252,20 @@ def run(cfg: RewardBenchConfig, report: Report) -> None:
     summaries = [summarize(seed, records[seed], wall_s=walls[seed]) for seed in cfg.seed_list]
     rows = [
         [str(s.seed), f"{s.last_reward:.3f}", f"{s.final_entropy:.3f}", f"{s.median_step_s:.2f}",
-         "" if s.wall_s is None else f"{s.wall_s:.0f}"]
+         "" if s.wall_s is None else f"{s.wall_s:.0f}", s.digest]
         for s in summaries
     ]
     columns = (
         [s.last_reward for s in summaries], [s.final_entropy for s in summaries], [s.median_step_s for s in summaries]
     )
     stats = [spread(c) for c in columns]
-    rows.append(["mean", *(f"{m:.3f}" if i < 2 else f"{m:.2f}" for i, (m, _, _, _) in enumerate(stats)), ""])
-    rows.append(["min-max", *(f"{lo:.3f}-{hi:.3f}" if i < 2 else f"{lo:.2f}-{hi:.2f}" for i, (_, lo, hi, _) in enumerate(stats)), ""])
-    rows.append(["std", *(f"{sd:.3f}" if i < 2 else f"{sd:.2f}" for i, (_, _, _, sd) in enumerate(stats)), ""])
+    rows.append(["mean", *(f"{m:.3f}" if i < 2 else f"{m:.2f}" for i, (m, _, _, _) in enumerate(stats)), "", ""])
+    rows.append(["min-max", *(f"{lo:.3f}-{hi:.3f}" if i < 2 else f"{lo:.2f}-{hi:.2f}" for i, (_, lo, hi, _) in enumerate(stats)), "", ""])
+    rows.append(["std", *(f"{sd:.3f}" if i < 2 else f"{sd:.2f}" for i, (_, _, _, sd) in enumerate(stats)), "", ""])
     setting = " ".join(cfg.overrides) or "the default run"
     report.table(
         f"{setting}, {cfg.steps} steps, seeds {cfg.seed_list[0]}-{cfg.seed_list[-1]}, on {cpu_name()}",
-        ["seed", f"mean reward, last {LAST} steps", "final entropy (nats)", "median step s", "wall s"],
+        ["seed", f"mean reward, last {LAST} steps", "final entropy (nats)", "median step s", "wall s", "curve digest"],
         rows,
     )
     spans = windows(cfg.steps)

@@ -10,7 +10,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shell.bench.reward import LAST, RewardBenchConfig, plot_seeds, spread, summarize, window_mean, windows
+from shell.bench.reward import (
+    LAST,
+    RewardBenchConfig,
+    curve_digest,
+    plot_seeds,
+    spread,
+    summarize,
+    window_mean,
+    windows,
+)
 
 
 def _records(rewards: list[float], *, entropy: float = 1.0) -> list[dict[str, float]]:
@@ -29,6 +38,20 @@ def test_summarize_reads_last_rewards_final_entropy_and_median_step(rewards: lis
     assert summary.last_reward == pytest.approx(sum(rewards[-LAST:]) / LAST)
     assert summary.final_entropy == records[-1]["entropy"]
     assert summary.median_step_s == statistics.median(r["step_time_s"] for r in records)
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=30), st.data())
+def test_curve_digest_changes_with_any_bit_of_any_value(rewards: list[float], data: st.DataObject) -> None:
+    """Equal records give equal digests; changing one reward to any other float changes it; timings do not count."""
+    records = _records(rewards)
+    assert curve_digest(records) == curve_digest(_records(rewards))
+    retimed = [{**r, "step_time_s": 9.0} for r in records]
+    assert curve_digest(retimed) == curve_digest(records)
+    i = data.draw(st.integers(0, len(rewards) - 1))
+    other = data.draw(st.floats(0.0, 1.0).filter(lambda x: x != rewards[i]))
+    changed = [dict(r) for r in records]
+    changed[i]["reward_mean"] = other
+    assert curve_digest(changed) != curve_digest(records)
 
 
 def test_summarize_rejects_short_runs_and_missing_entropy() -> None:
