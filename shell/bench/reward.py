@@ -34,6 +34,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import torch
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -106,15 +107,21 @@ def curve_digest(records: Records) -> str:
 
 
 def cpu_name() -> str:
-    """The CPU model (from ``/proc/cpuinfo`` where there is one) and the core count."""
-    model = platform.processor() or platform.machine()
+    """The CPU (model, family and model number from ``/proc/cpuinfo`` where there is one), cores and torch's kernels.
+
+    Example: ``"AMD EPYC (family 26, model 2), 2 cores, torch AVX512"``.
+    """
+    name, ids = platform.processor() or platform.machine(), {}
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, {os.cpu_count()} cores"
+        for line in cpuinfo.read_text(errors="replace").split("\n\n", 1)[0].splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name":
+                name = value
+            elif key in ("cpu family", "model"):
+                ids[key.removeprefix("cpu ")] = value
+    detail = f" ({', '.join(f'{k} {v}' for k, v in ids.items())})" if ids else ""
+    return f"{name}{detail}, {os.cpu_count()} cores, torch {torch.backends.cpu.get_cpu_capability()}"
 
 
 def summarize(seed: int, records: Records, *, wall_s: float | None = None, last: int = LAST) -> SeedSummary:
