@@ -266,20 +266,23 @@ def run(cfg: RewardBenchConfig, report: Report) -> None:
         [s.last_reward for s in summaries], [s.final_entropy for s in summaries], [s.median_step_s for s in summaries]
     )
     stats = [spread(c) for c in columns]
-    rows.append(["mean", *(f"{m:.3f}" if i < 2 else f"{m:.2f}" for i, (m, _, _, _) in enumerate(stats)), "", ""])
-    rows.append(["min-max", *(f"{lo:.3f}-{hi:.3f}" if i < 2 else f"{lo:.2f}-{hi:.2f}" for i, (_, lo, hi, _) in enumerate(stats)), "", ""])
-    rows.append(["std", *(f"{sd:.3f}" if i < 2 else f"{sd:.2f}" for i, (_, _, _, sd) in enumerate(stats)), "", ""])
+    if len(summaries) > 1:
+        rows.append(["mean", *(f"{m:.3f}" if i < 2 else f"{m:.2f}" for i, (m, _, _, _) in enumerate(stats)), "", ""])
+        rows.append(["min-max", *(f"{lo:.3f}-{hi:.3f}" if i < 2 else f"{lo:.2f}-{hi:.2f}" for i, (_, lo, hi, _) in enumerate(stats)), "", ""])
+        rows.append(["std", *(f"{sd:.3f}" if i < 2 else f"{sd:.2f}" for i, (_, _, _, sd) in enumerate(stats)), "", ""])
     setting = " ".join(cfg.overrides) or "the default run"
+    seeds = f"seed {cfg.first_seed}" if cfg.seeds == 1 else f"seeds {cfg.seed_list[0]}-{cfg.seed_list[-1]}"
     report.table(
-        f"{setting}, {cfg.steps} steps, seeds {cfg.seed_list[0]}-{cfg.seed_list[-1]}, on {cpu_name()}",
+        f"{setting}, {cfg.steps} steps, {seeds}, on {cpu_name()}",
         ["seed", f"mean reward, last {LAST} steps", "final entropy (nats)", "median step s", "wall s", "curve digest"],
         rows,
     )
     spans = windows(cfg.steps)
     curve = [[str(seed), *(f"{window_mean(records[seed], sp):.3f}" for sp in spans)] for seed in cfg.seed_list]
     means = [spread([window_mean(records[seed], sp) for seed in cfg.seed_list]) for sp in spans]
-    curve.append(["mean", *(f"{m:.3f}" for m, _, _, _ in means)])
-    curve.append(["min-max", *(f"{lo:.2f}-{hi:.2f}" for _, lo, hi, _ in means)])
+    if len(summaries) > 1:
+        curve.append(["mean", *(f"{m:.3f}" for m, _, _, _ in means)])
+        curve.append(["min-max", *(f"{lo:.2f}-{hi:.2f}" for _, lo, hi, _ in means)])
     report.table(
         f"Mean reward per window of steps; {time.perf_counter() - started:.0f} s in all",
         ["steps", *(f"{a}-{b}" for a, b in spans)],
@@ -287,7 +290,7 @@ def run(cfg: RewardBenchConfig, report: Report) -> None:
     )
     plot_seeds(
         records, cfg.plot,
-        title=f"{setting}: {len(cfg.seed_list)} seeds x {cfg.steps} steps ({cpu_name()})",
+        title=f"{setting}: {seeds}, {cfg.steps} steps\n{cpu_name()}",
     )
     report.table("Figure", ["file"], [[str(cfg.plot)]])
     report.finish()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from pathlib import Path
@@ -10,11 +11,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shell.bench.__main__ import main as bench_main
+from shell.bench.report import Report
 from shell.bench.reward import (
     LAST,
     RewardBenchConfig,
     curve_digest,
     plot_seeds,
+    run,
     spread,
     summarize,
     window_mean,
@@ -106,3 +110,35 @@ def test_plot_seeds_writes_a_png(tmp_path: Path) -> None:
     runs = {0: _records([math.sin(i) ** 2 for i in range(30)]), 1: _records([0.1] * 30)}
     path = plot_seeds(runs, tmp_path / "img" / "curve.png", title="test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _write_runs(root: Path, seeds: list[int], steps: int) -> None:
+    for seed in seeds:
+        folder = root / f"seed{seed}"
+        folder.mkdir(parents=True)
+        lines = [json.dumps(r) for r in _records([0.1 * seed + 0.01 * i for i in range(steps)])]
+        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_reward_bench_reuse_reports_every_seed_and_the_spread(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With --reuse the bench reads the runs, prints one row per seed plus mean / min-max / std, and draws the PNG."""
+    _write_runs(tmp_path, [0, 1], 12)
+    plot = tmp_path / "curve.png"
+    argv = ["reward", "--seeds", "2", "--steps", "12", "--reuse", "--runs-dir", str(tmp_path), "--plot", str(plot)]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    last = [sum(0.1 * seed + 0.01 * i for i in range(2, 12)) / LAST for seed in (0, 1)]
+    assert f"| 0 | {last[0]:.3f} |" in out and f"| 1 | {last[1]:.3f} |" in out
+    assert f"| min-max | {last[0]:.3f}-{last[1]:.3f} |" in out and "| std |" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reward_bench_refuses_to_overwrite_runs_or_to_reuse_missing_ones(tmp_path: Path) -> None:
+    """Existing runs without --reuse are a FileExistsError, a step count other than --steps a ValueError."""
+    _write_runs(tmp_path, [0], 12)
+    with pytest.raises(FileExistsError, match="pass --reuse to read them"):
+        run(RewardBenchConfig(seeds=1, steps=12, runs_dir=tmp_path, plot=tmp_path / "c.png"), Report(markdown=True))
+    with pytest.raises(ValueError, match="must hold 20 steps: got 12"):
+        run(RewardBenchConfig(seeds=1, steps=20, runs_dir=tmp_path, reuse=True, plot=tmp_path / "c.png"), Report(markdown=True))
+    with pytest.raises(SystemExit):
+        bench_main(["reward", "--reuse"])
