@@ -59,7 +59,8 @@ class RewardBenchConfig:
         seeds: how many seeds (>= 1).
         steps: steps per run (>= ``LAST``).
         first_seed: the first seed; the others follow it.
-        runs_dir: where the runs go, one folder ``seed<s>`` each (with ``seed<s>.log`` beside it).
+        runs_dir: where the runs go, one folder ``seed<s>`` each (with ``seed<s>.log`` and
+            ``seed<s>.wall_s`` beside it).
         plot: the PNG to write.
         reuse: read the runs already in ``runs_dir`` instead of running them.
         overrides: extra ``key=value`` config overrides for every run (none: the default run).
@@ -216,8 +217,12 @@ def _command(cfg: RewardBenchConfig, seed: int) -> list[str]:
     ]
 
 
+def _wall_file(cfg: RewardBenchConfig, seed: int) -> Path:
+    return cfg.runs_dir / f"seed{seed}.wall_s"
+
+
 def _run_seed(cfg: RewardBenchConfig, seed: int) -> float:
-    """Run one seed in a fresh process (its output to ``seed<s>.log``); its wall seconds.
+    """Run one seed in a fresh process (output to ``seed<s>.log``, wall seconds to ``seed<s>.wall_s``); its wall seconds.
 
     Raises:
         RuntimeError: the run exited non-zero (the message names its log).
@@ -228,7 +233,15 @@ def _run_seed(cfg: RewardBenchConfig, seed: int) -> float:
         status = subprocess.run(_command(cfg, seed), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
     if status != 0:
         raise RuntimeError(f"seed {seed}: python -m shell.run exited {status}; see {log}")
-    return time.perf_counter() - started
+    wall = time.perf_counter() - started
+    _wall_file(cfg, seed).write_text(f"{wall:.3f}\n")
+    return wall
+
+
+def _read_wall(cfg: RewardBenchConfig, seed: int) -> float | None:
+    """The wall seconds the bench measured for a run it made (None for a run it did not time)."""
+    path = _wall_file(cfg, seed)
+    return float(path.read_text()) if path.is_file() else None
 
 
 def run(cfg: RewardBenchConfig, report: Report) -> None:
@@ -251,7 +264,7 @@ def run(cfg: RewardBenchConfig, report: Report) -> None:
     walls: dict[int, float | None] = {}
     report.start(total=len(folders), description=f"{cfg.steps}-step runs")
     for seed, folder in folders.items():
-        walls[seed] = None if cfg.reuse else _run_seed(cfg, seed)
+        walls[seed] = _read_wall(cfg, seed) if cfg.reuse else _run_seed(cfg, seed)
         records[seed] = read_metrics(folder / "metrics.jsonl")
         if len(records[seed]) != cfg.steps:
             raise ValueError(f"'{folder}' must hold {cfg.steps} steps: got {len(records[seed])}")

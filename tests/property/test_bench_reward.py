@@ -121,14 +121,17 @@ def _write_runs(root: Path, seeds: list[int], steps: int) -> None:
 
 
 def test_reward_bench_reuse_reports_every_seed_and_the_spread(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """With --reuse the bench reads the runs, prints one row per seed plus mean / min-max / std, and draws the PNG."""
+    """With --reuse the bench reads the runs (and a wall time it measured), prints one row per seed, the spread and a PNG."""
     _write_runs(tmp_path, [0, 1], 12)
+    (tmp_path / "seed1.wall_s").write_text("42.0\n")
     plot = tmp_path / "curve.png"
     argv = ["reward", "--seeds", "2", "--steps", "12", "--reuse", "--runs-dir", str(tmp_path), "--plot", str(plot)]
     assert bench_main(argv) == 0
     out = capsys.readouterr().out
     last = [sum(0.1 * seed + 0.01 * i for i in range(2, 12)) / LAST for seed in (0, 1)]
     assert f"| 0 | {last[0]:.3f} |" in out and f"| 1 | {last[1]:.3f} |" in out
+    seed1_row = next(line for line in out.splitlines() if line.startswith("| 1 |"))
+    assert "| 42 |" in seed1_row
     assert f"| min-max | {last[0]:.3f}-{last[1]:.3f} |" in out and "| std |" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
