@@ -275,14 +275,13 @@ def run(cfg: RewardBenchConfig, report: Report) -> None:
          "" if s.wall_s is None else f"{s.wall_s:.0f}", s.digest]
         for s in summaries
     ]
-    columns = (
-        [s.last_reward for s in summaries], [s.final_entropy for s in summaries], [s.median_step_s for s in summaries]
-    )
-    stats = [spread(c) for c in columns]
     if len(summaries) > 1:
-        rows.append(["mean", *(f"{m:.3f}" if i < 2 else f"{m:.2f}" for i, (m, _, _, _) in enumerate(stats)), "", ""])
-        rows.append(["min-max", *(f"{lo:.3f}-{hi:.3f}" if i < 2 else f"{lo:.2f}-{hi:.2f}" for i, (_, lo, hi, _) in enumerate(stats)), "", ""])
-        rows.append(["std", *(f"{sd:.3f}" if i < 2 else f"{sd:.2f}" for i, (_, _, _, sd) in enumerate(stats)), "", ""])
+        columns = ([s.last_reward for s in summaries], [s.final_entropy for s in summaries],
+                   [s.median_step_s for s in summaries])
+        stats = [(spread(values), spec) for values, spec in zip(columns, (".3f", ".3f", ".2f"))]
+        rows.append(["mean", *(format(m, spec) for (m, _, _, _), spec in stats), "", ""])
+        rows.append(["min-max", *(f"{lo:{spec}}-{hi:{spec}}" for (_, lo, hi, _), spec in stats), "", ""])
+        rows.append(["std", *(format(sd, spec) for (_, _, _, sd), spec in stats), "", ""])
     setting = " ".join(cfg.overrides) or "the default run"
     seeds = f"seed {cfg.first_seed}" if cfg.seeds == 1 else f"seeds {cfg.seed_list[0]}-{cfg.seed_list[-1]}"
     report.table(
