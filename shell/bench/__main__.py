@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         help="where the runs go, one folder seed<s> each (default runs/reward-<timestamp>)",
     )
     reward.add_argument("--reuse", action="store_true", help="read the runs already in --runs-dir instead of running them")
-    reward.add_argument("--plot", default=None, help="the PNG to write (default docs/img/reward_curve.png)")
+    reward.add_argument(
+        "--plot", default=None, help="the PNG to write (default RUNS_DIR/reward_curve.png; the README's is docs/img/reward_curve.png)",
+    )
     reward.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides (none: the default run)")
     reward.set_defaults(markdown=True)
     args = parser.parse_args(argv)
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.name == "reward":
         import time
 
-        from shell.bench.reward import DEFAULT_PLOT, RewardBenchConfig
+        from shell.bench.reward import RewardBenchConfig
         from shell.bench.reward import run as run_reward
 
         if args.reuse and args.runs_dir is None:
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = RewardBenchConfig(
                 seeds=args.seeds, steps=args.steps, first_seed=args.first_seed, reuse=args.reuse,
                 runs_dir=args.runs_dir or f"runs/reward-{time.strftime('%Y%m%d-%H%M%S')}",
-                plot=args.plot or DEFAULT_PLOT, overrides=tuple(args.overrides),
+                plot=args.plot, overrides=tuple(args.overrides),
             )
         except ValueError as error:
             parser.error(str(error))

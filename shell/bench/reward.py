@@ -43,7 +43,8 @@ from shell.bench.report import Report
 from shell.run_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_PLOT = ROOT / "docs" / "img" / "reward_curve.png"
+PLOT_FILE = "reward_curve.png"
+"""The figure's name in ``runs_dir`` unless ``plot`` says otherwise (the README's is ``docs/img/reward_curve.png``)."""
 LAST = 10
 """The README's headline: mean reward over the last this many steps."""
 DIGEST_KEYS = ("reward_mean", "entropy", "loss", "kl", "grad_norm")
@@ -61,7 +62,7 @@ class RewardBenchConfig:
         first_seed: the first seed; the others follow it.
         runs_dir: where the runs go, one folder ``seed<s>`` each (with ``seed<s>.log`` and
             ``seed<s>.wall_s`` beside it).
-        plot: the PNG to write.
+        plot: the PNG to write; None: ``runs_dir / PLOT_FILE``.
         reuse: read the runs already in ``runs_dir`` instead of running them.
         overrides: extra ``key=value`` config overrides for every run (none: the default run).
     """
@@ -69,7 +70,7 @@ class RewardBenchConfig:
     seeds: int
     steps: int
     runs_dir: Path = attrs.field(converter=lambda p: Path(p).resolve())
-    plot: Path = attrs.field(converter=Path, default=DEFAULT_PLOT)
+    plot: Path | None = attrs.field(converter=attrs.converters.optional(lambda p: Path(p).resolve()), default=None)
     first_seed: int = 0
     reuse: bool = False
     overrides: tuple[str, ...] = attrs.field(converter=tuple, default=())
@@ -82,6 +83,11 @@ class RewardBenchConfig:
         taken = [o for o in self.overrides if o.split("=", 1)[0] in ("seed", "grpo.num_steps", "run.dir")]
         if taken:
             raise ValueError(f"'overrides' must not set seed, grpo.num_steps or run.dir (the bench sets them): got {taken}")
+
+    @property
+    def plot_path(self) -> Path:
+        """Where the figure goes."""
+        return self.runs_dir / PLOT_FILE if self.plot is None else self.plot
 
     @property
     def seed_list(self) -> list[int]:
@@ -301,8 +307,8 @@ def run(cfg: RewardBenchConfig, report: Report) -> None:
         curve,
     )
     plot_seeds(
-        records, cfg.plot,
+        records, cfg.plot_path,
         title=f"{setting}: {seeds}, {cfg.steps} steps\n{cpu_name()}",
     )
-    report.table("Figure", ["file"], [[str(cfg.plot)]])
+    report.table("Figure", ["file"], [[str(cfg.plot_path)]])
     report.finish()

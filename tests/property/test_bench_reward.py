@@ -103,6 +103,7 @@ def test_reward_bench_config_rejects_what_the_bench_sets_itself(tmp_path: Path) 
         RewardBenchConfig(seeds=1, steps=20, runs_dir=tmp_path, overrides=("seed=3",))
     cfg = RewardBenchConfig(seeds=3, steps=20, runs_dir=tmp_path, first_seed=5)
     assert cfg.seed_list == [5, 6, 7] and cfg.runs_dir.is_absolute()
+    assert cfg.plot_path == cfg.runs_dir / "reward_curve.png"
 
 
 def test_plot_seeds_writes_a_png(tmp_path: Path) -> None:
