@@ -33,10 +33,11 @@ def test_categorical_entropy_of_uniform_is_log_vocab(vocab: int, level: float) -
 
 @given(vocab_sizes, st.data())
 def test_categorical_entropy_of_one_hot_is_zero(vocab: int, data: st.DataObject) -> None:
-    """A single finite logit (every other id masked) has entropy exactly 0."""
+    """A single finite logit (every other id masked) has entropy exactly +0.0."""
     logits = torch.full((vocab,), NEG_INF)
     logits[data.draw(st.integers(0, vocab - 1))] = data.draw(st.floats(-50, 50, width=32))
-    assert categorical_entropy(logits).item() == 0.0
+    got = categorical_entropy(logits).item()
+    assert got == 0.0 and math.copysign(1.0, got) == 1.0
 
 
 @given(masked_logits())
