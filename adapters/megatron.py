@@ -65,8 +65,11 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from adapters.megatron_cpu import apply_cpu_shim, cpu_device_remap
+from core.entropy import categorical_entropy
 
-__all__ = ["LossFn", "MegatronGPTBackend", "MicroBatch", "StateDict", "TinyGPTConfig", "TrainStepResult"]
+__all__ = [
+    "Generation", "LossFn", "MegatronGPTBackend", "MicroBatch", "StateDict", "TinyGPTConfig", "TrainStepResult",
+]
 
 MicroBatch = Mapping[str, torch.Tensor]
 """One micro-batch: ``input_ids`` (LongTensor[B, S]), ``lengths`` (LongTensor[B]), plus any fields ``loss_fn`` reads."""
@@ -118,6 +121,22 @@ class TinyGPTConfig:
                 f"'hidden_size' must be a multiple of 'num_attention_heads' ({self.num_attention_heads}): "
                 f"got {self.hidden_size}"
             )
+
+
+@attrs.frozen
+class Generation:
+    """What :meth:`MegatronGPTBackend.generate` returns.
+
+    Attributes:
+        sequences: LongTensor[B, L], each row its prompt then its response, 0 past its length.
+        lengths: LongTensor[B], prompt plus response tokens of each row (the EOS included).
+        entropy: DoubleTensor[B], per row the summed entropy (nats) of the distributions its
+            response tokens were drawn from (temperature applied, masked to ``vocab_limit``).
+    """
+
+    sequences: torch.Tensor
+    lengths: torch.Tensor
+    entropy: torch.Tensor
 
 
 def _int_arg(name: str, value: Any) -> int:
@@ -569,7 +588,7 @@ class MegatronGPTBackend:
         generator: torch.Generator,
         temperature: float = 1.0,
         vocab_limit: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> Generation:
         """Sample continuations of right-padded prompts from the policy (no KV cache: one full forward per token).
 
         Row ``b`` continues ``prompt_ids[b, :prompt_lengths[b]]`` with up to
@@ -577,7 +596,9 @@ class MegatronGPTBackend:
         with ``generator``, and stops after ``eos_id``. Causal attention makes
         the padding to the right of a row invisible to it, so rows of different
         lengths share each forward. The same weights, prompts and generator
-        state give the same tokens.
+        state give the same tokens. The entropy of each drawn token's
+        distribution is read off the same probabilities and draws nothing, so
+        it changes no token and no generator state.
 
         Args:
             prompt_ids: LongTensor[B, P], right-padded prompts.
@@ -591,9 +612,11 @@ class MegatronGPTBackend:
                 the model's padded vocabulary); None: the whole vocabulary.
 
         Returns:
-            ``(sequences, lengths)``: LongTensor[B, L] (prompt then response,
-            0 past each row's length) and LongTensor[B] (prompt plus response
-            tokens, the EOS included).
+            a :class:`Generation`: ``sequences`` LongTensor[B, L] (prompt then
+            response, 0 past each row's length), ``lengths`` LongTensor[B]
+            (prompt plus response tokens, the EOS included), ``entropy``
+            DoubleTensor[B] (per row, the summed entropy of its response
+            tokens' sampling distributions, in nats).
 
         Raises:
             ValueError: the backend is tensor- or pipeline-parallel (a rollout
@@ -624,6 +647,7 @@ class MegatronGPTBackend:
         sequences[:, : prompt_ids.shape[1]] = prompt_ids
         lengths = prompt_lengths.clone()
         done = torch.zeros(rows, dtype=torch.bool)
+        entropy = torch.zeros(rows, dtype=torch.float64)
         index = torch.arange(rows)
         model = self._policy.module
         was_training = model.training
@@ -641,6 +665,7 @@ class MegatronGPTBackend:
                     probs = torch.softmax(last, dim=-1)
                     drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)
                     live = ~done
+                    entropy += torch.where(live, categorical_entropy(last).double(), 0.0)
                     sequences[index[live], lengths[live]] = drawn[live]
                     lengths = lengths + live.long()
                     done = done | (live & (drawn == eos_id))
@@ -648,7 +673,7 @@ class MegatronGPTBackend:
                         break
         finally:
             model.train(was_training)
-        return sequences[:, : int(lengths.max())], lengths
+        return Generation(sequences[:, : int(lengths.max())], lengths, entropy)
 
     # -- training ------------------------------------------------------------------------------------
 

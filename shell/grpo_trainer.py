@@ -47,7 +47,7 @@ from shell.loss import GRPOLoss
 from shell.metering import MeteredClient
 from shell.phases import PhaseTimer
 from shell.policy import Policy, PolicyConfig
-from shell.rollout import RolloutConfig, RolloutResult, RolloutWorker
+from shell.rollout import RolloutConfig, RolloutResult, RolloutWorker, step_entropy
 from shell.ray_cluster import connect as connect_ray
 from shell.run_config import RunConfig, StoreBackend, dump_run_config
 from shell.step_rows import StepRows
@@ -409,6 +409,7 @@ class GRPOTrainer:
             "step": step,
             "reward_mean": sum(all_rewards) / len(all_rewards),
             "reward_mean_trained": sum(carry.rewards) / carry.size,
+            "entropy": step_entropy(batches),
             "loss": sum(result.loss) / len(result.loss),
             "kl": sum(kl) / len(kl) if kl else 0.0,
             "grad_norm": sum(result.grad_norm) / len(result.grad_norm),

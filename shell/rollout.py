@@ -12,7 +12,7 @@ temperature, scores them with the task, and then either
   itself, which then travels through the driver.
 
 Invariant: for the same weights, prompts, seed, step and batch index, both
-modes build the same rows (same tokens, masks, lengths and rewards): the
+modes build the same rows (same tokens, masks, lengths, rewards and entropies): the
 sampling generator is seeded from ``(seed, step, batch_index)`` alone.
 """
 
@@ -26,6 +26,7 @@ import torch
 
 from adapters.megatron import MegatronGPTBackend
 from adapters.rows import build_tensordict
+from core.entropy import mean_token_entropy
 from core.fields import INPUT_IDS, LENGTHS, TOKEN_MASK
 from core.meta import KVBatchMeta
 from core.model_config import TinyGPTConfig
@@ -92,12 +93,27 @@ class RolloutResult:
             its bulk batch: ``input_ids`` [N, S], ``token_mask`` [N, S], ``lengths`` [N].
         data_plane: the engine's store activity (``{"ms", "bytes"}``).
         responses: the decoded response text of the first rows (for logging samples).
+        entropy: per row, the summed entropy (nats) of the distributions its response tokens were drawn from.
+        response_tokens: per row, the number of response tokens (the EOS included).
     """
 
     carry: RolloutCarry
     rows: StepRows
     data_plane: Mapping[str, float]
     responses: tuple[str, ...]
+    entropy: tuple[float, ...]
+    response_tokens: tuple[int, ...]
+
+
+def step_entropy(results: Sequence[RolloutResult]) -> float:
+    """The mean sampling entropy (nats) per generated token over every row of ``results`` (a step's batches).
+
+    Raises:
+        ValueError: ``results`` holds no generated token.
+    """
+    return mean_token_entropy(
+        [h for r in results for h in r.entropy], [n for r in results for n in r.response_tokens]
+    )
 
 
 class RolloutWorker(Worker):
@@ -186,7 +202,7 @@ class RolloutWorker(Worker):
             prompt_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         prompt_lengths = torch.tensor([len(ids) for ids in encoded], dtype=torch.long)
         generator = torch.Generator().manual_seed(sampling_seed(self.config.seed, step, batch_index))
-        sequences, lengths = self.backend.generate(
+        generation = self.backend.generate(
             prompt_ids,
             prompt_lengths,
             max_new_tokens=task.max_new_tokens,
@@ -195,6 +211,9 @@ class RolloutWorker(Worker):
             temperature=self.config.temperature,
             vocab_limit=task.tokenizer.vocab_size,
         )
+        sequences, lengths = generation.sequences, generation.lengths
+        entropy = tuple(generation.entropy.tolist())
+        response_tokens = tuple((lengths - prompt_lengths).tolist())
         responses = [sequences[r, int(prompt_lengths[r]) : int(lengths[r])].tolist() for r in range(len(encoded))]
         row_prompts = [p for p in prompts for _ in range(num_generations)]
         rewards = checked_rewards(task, row_prompts, responses)
@@ -213,7 +232,7 @@ class RolloutWorker(Worker):
         if partition_id is None:
             batch = build_tensordict({**columns, LENGTHS: lengths}, len(encoded))
             meta = KVBatchMeta(LEGACY_PARTITION, keys, fields=list(columns), sequence_lengths=lengths.tolist())
-            return RolloutResult(carry, StepRows(meta, batch), {"ms": 0.0, "bytes": 0.0}, text)
+            return RolloutResult(carry, StepRows(meta, batch), {"ms": 0.0, "bytes": 0.0}, text, entropy, response_tokens)
         meta = first_write(
             self._client,  # type: ignore[arg-type]
             columns,
@@ -222,7 +241,7 @@ class RolloutWorker(Worker):
             lengths=lengths.tolist(),
             token_fields=ROLLOUT_TOKEN_FIELDS,
         )
-        return RolloutResult(carry, StepRows(meta), client_io(self._client), text)
+        return RolloutResult(carry, StepRows(meta), client_io(self._client), text, entropy, response_tokens)
 
     @on_all_ranks
     def close_client(self) -> None:

@@ -8,6 +8,7 @@ of starting its own, and leaves both running.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from adapters.transfer_queue import TransferQueueStore
+from core.addition import AdditionTask
 from shell import run as shell_run
 from shell.grpo_trainer import GRPOTrainer, StepError, load_checkpoint
 from shell.run_config import load_run_config
@@ -38,10 +40,10 @@ SMALL = [
     "run.progress=plain",
 ]
 REQUIRED_KEYS = (
-    "step", "reward_mean", "loss", "kl", "grad_norm", "step_time_s", "data_plane_ms", "data_plane_bytes",
+    "step", "reward_mean", "entropy", "loss", "kl", "grad_norm", "step_time_s", "data_plane_ms", "data_plane_bytes",
     "driver_bytes", "store_keys_outstanding",
 )
-PARITY_KEYS = ("reward_mean", "loss", "kl", "grad_norm")
+PARITY_KEYS = ("reward_mean", "entropy", "loss", "kl", "grad_norm")
 
 
 def _run(args: list[str]) -> int:
@@ -78,6 +80,16 @@ def test_run_paths_agree_bitwise(runs: dict[str, Any]) -> None:
         assert {k: a[k] for k in PARITY_KEYS} == {k: b[k] for k in PARITY_KEYS}, f"step {a['step']}"
     assert any(r["grad_norm"] > 0 for r in plane), "the runs must actually train"
     assert any(r["kl"] != 0 for r in plane[1:]), "the reference pass must run (kl_coef > 0)"
+
+
+def test_run_records_policy_entropy_within_bounds(runs: dict[str, Any]) -> None:
+    """Each step's ``entropy`` is finite and in [0, log V], V the task's vocabulary (the ids sampling may draw)."""
+    bound = math.log(AdditionTask().tokenizer.vocab_size)
+    for name, run in runs.items():
+        for record in run["records"]:
+            entropy = record["entropy"]
+            assert isinstance(entropy, float) and math.isfinite(entropy), f"{name} step {record['step']}: {entropy!r}"
+            assert 0.0 <= entropy <= bound + 1e-6, f"{name} step {record['step']}: {entropy} not in [0, {bound}]"
 
 
 def test_run_data_plane_leaves_no_keys(runs: dict[str, Any], partition: str) -> None:

@@ -658,6 +658,32 @@ def carry_and_index_blocks(draw: st.DrawFn, *, shuffle: bool) -> tuple[Any, list
     return carry, [order[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+# ---------------------------------------------------------------- entropy (core/entropy.py)
+
+vocab_sizes = st.integers(1, 512)
+"""Vocabulary sizes: from a single id up to a few hundred."""
+
+
+@st.composite
+def masked_logits(draw: st.DrawFn, *, max_rows: int = 4, max_vocab: int = 24) -> torch.Tensor:
+    """Float32 logits [B, V] in [-30, 30], some ids masked to -inf, at least one finite id per row."""
+    b, v = draw(st.integers(1, max_rows)), draw(st.integers(1, max_vocab))
+    values = draw(st.lists(st.floats(-30, 30, width=32), min_size=b * v, max_size=b * v))
+    logits = torch.tensor(values, dtype=torch.float32).reshape(b, v)
+    masked = torch.tensor(draw(st.lists(st.booleans(), min_size=b * v, max_size=b * v))).reshape(b, v)
+    keep = torch.tensor(draw(st.lists(st.integers(0, v - 1), min_size=b, max_size=b)))
+    masked[torch.arange(b), keep] = False
+    return logits.masked_fill(masked, float("-inf"))
+
+
+@st.composite
+def row_entropies(draw: st.DrawFn, *, max_rows: int = 20) -> tuple[list[float], list[int]]:
+    """Per-row summed entropies and token counts (at least one token in all): what a rollout carries."""
+    n = draw(st.integers(1, max_rows))
+    tokens = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n).filter(lambda t: sum(t) > 0))
+    return [draw(st.floats(0.0, 3.0 * t)) for t in tokens], tokens
+
+
 # ---------------------------------------------------------------- integrity (core/integrity.py digests)
 
 DIGEST_DTYPES = (*CODEC_DTYPES, torch.int16, torch.complex64, torch.complex128)
