@@ -6,7 +6,7 @@ across puts, as TransferQueue merges them) and its sequence length. It is the
 reference adapter: the contract suite (``tests/e2e/test_store_contract.py``)
 runs against it and every other adapter alike.
 
-Invariants (the port's semantics, see :mod:`shell.dataplane`):
+Invariants (the port's semantics, see :mod:`adapters.store_port`):
   * a put or clear is all or nothing: arguments and every column are checked
     before storage changes, so a rejected call writes (or removes) nothing;
   * the store never aliases a caller's data: rows are copied on ``put`` and
@@ -30,9 +30,7 @@ import attrs
 from tensordict import TensorDict
 
 from adapters.rows import ColumnSpec, build_tensordict, common_spec, read_columns_of, split_column, stack_column
-from core.frozen import FrozenDict
-from core.meta import KVBatchMeta
-from shell.dataplane import (
+from adapters.store_port import (
     Keys,
     SeqLens,
     Tags,
@@ -43,6 +41,8 @@ from shell.dataplane import (
     validate_put,
     validate_tag_names,
 )
+from core.frozen import FrozenDict
+from core.meta import KVBatchMeta
 
 StoredRow = tuple[ColumnSpec, Any]
 
@@ -57,7 +57,7 @@ class _Entry:
 
 
 class MemoryStore:
-    """An in-process :class:`shell.dataplane.DataPlaneClient`; thread-safe.
+    """An in-process :class:`adapters.store_port.DataPlaneClient`; thread-safe.
 
     Example:
         >>> import torch
@@ -92,7 +92,7 @@ class MemoryStore:
         ``sequence_lengths[i]`` replaces its length (omitted: kept).
 
         Returns:
-            The receipt of :func:`shell.dataplane.validate_put`: ``fields`` lists
+            The receipt of :func:`adapters.store_port.validate_put`: ``fields`` lists
             the fields *this put* wrote, ``tags`` and ``sequence_lengths`` are
             the ones passed (not merged). Use :meth:`describe` for what is stored.
 
@@ -238,10 +238,6 @@ class MemoryStore:
             self._closed = True
             self._partitions.clear()
 
-    def as_async(self) -> AsyncMemoryStore:
-        """An :class:`AsyncMemoryStore` over this store's storage (closing either closes both)."""
-        return AsyncMemoryStore(self)
-
     def _entries(self, keys: tuple[str, ...], partition_id: str) -> list[_Entry]:
         partition = self._partitions.get(partition_id, {})
         unknown = [key for key in keys if key not in partition]
@@ -253,69 +249,3 @@ class MemoryStore:
         if self._closed:
             raise RuntimeError("MemoryStore is closed: create a new one, e.g. store = MemoryStore()")
 
-
-class AsyncMemoryStore:
-    """An :class:`shell.dataplane.AsyncDataPlaneClient` over a :class:`MemoryStore`.
-
-    Each coroutine runs the synchronous operation inline (in-memory work never
-    blocks on I/O), with exactly its semantics and errors.
-
-    Args:
-        store: the store to wrap (a fresh one when omitted).
-
-    Raises:
-        TypeError: ``store`` is not a ``MemoryStore``.
-
-    Example:
-        >>> import asyncio
-        >>> store = MemoryStore().as_async()
-        >>> asyncio.run(store.list_keys("train"))
-        ()
-    """
-
-    def __init__(self, store: MemoryStore | None = None) -> None:
-        if store is None:
-            store = MemoryStore()
-        if not isinstance(store, MemoryStore):
-            raise TypeError(f"'store' must be a MemoryStore: got {type(store).__name__}")
-        self._store = store
-
-    def __repr__(self) -> str:
-        return f"AsyncMemoryStore({self._store!r})"
-
-    @property
-    def sync(self) -> MemoryStore:
-        """The wrapped synchronous store."""
-        return self._store
-
-    async def put(
-        self,
-        keys: Keys,
-        partition_id: str,
-        fields: TensorDict,
-        *,
-        tags: Tags | None = None,
-        sequence_lengths: SeqLens | None = None,
-    ) -> KVBatchMeta:
-        """See :meth:`MemoryStore.put`."""
-        return self._store.put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
-
-    async def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
-        """See :meth:`MemoryStore.get`."""
-        return self._store.get(keys, partition_id, select_fields)
-
-    async def clear(self, keys: Keys, partition_id: str) -> None:
-        """See :meth:`MemoryStore.clear`."""
-        self._store.clear(keys, partition_id)
-
-    async def list_keys(self, partition_id: str) -> tuple[str, ...]:
-        """See :meth:`MemoryStore.list_keys`."""
-        return self._store.list_keys(partition_id)
-
-    async def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta:
-        """See :meth:`MemoryStore.describe`."""
-        return self._store.describe(keys, partition_id)
-
-    async def close(self) -> None:
-        """See :meth:`MemoryStore.close`."""
-        self._store.close()

@@ -9,7 +9,7 @@ call to it. :meth:`RayMemoryStore.start` creates the actor and owns it;
 and never stops it, so ``functools.partial(RayMemoryStore.attach, store.name)``
 is a picklable client factory for workers.
 
-Invariants (the port's semantics, see :mod:`shell.dataplane`, checked by
+Invariants (the port's semantics, see :mod:`adapters.store_port`, checked by
 ``tests/e2e/test_store_contract.py``):
   * the semantics are exactly ``MemoryStore``'s: shape-faithful round trips
     (Ray pickles the TensorDicts both ways, object columns included), all or
@@ -43,8 +43,8 @@ from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
 from adapters.rows import column_spec, read_columns_of
+from adapters.store_port import Keys, SeqLens, Tags, validate_get, validate_put, validate_tag_names
 from core.meta import KVBatchMeta
-from shell.dataplane import Keys, SeqLens, Tags, validate_get, validate_put, validate_tag_names
 
 NAMESPACE = "rl-dataplane-memory"
 """The Ray namespace the store actors are named in (any driver of the cluster finds them there)."""
@@ -119,7 +119,7 @@ def is_running(name: str) -> bool:
 
 
 class RayMemoryStore:
-    """A :class:`shell.dataplane.DataPlaneClient` over a :class:`MemoryStoreActor`; thread-safe.
+    """A :class:`adapters.store_port.DataPlaneClient` over a :class:`MemoryStoreActor`; thread-safe.
 
     Build one with :meth:`start` (creates and owns the actor) or :meth:`attach`
     (joins it by name); the constructor only records the handle and ownership.
@@ -227,7 +227,7 @@ class RayMemoryStore:
         Arguments and every column are checked here before anything is sent.
 
         Returns:
-            The receipt of :func:`shell.dataplane.validate_put`.
+            The receipt of :func:`adapters.store_port.validate_put`.
 
         Raises:
             RuntimeError: the client is closed, or the actor is gone.

@@ -12,7 +12,7 @@ TQ keeps process globals: one TQ client per process (``tq.init`` /
 this module keeps no state of its own beyond each store's flags and the caches
 of its pure tag parsers.
 
-Invariants (the port's semantics, see :mod:`shell.dataplane`, checked by
+Invariants (the port's semantics, see :mod:`adapters.store_port`, checked by
 ``tests/e2e/test_store_contract.py``):
   * shape-faithful round trips: every field comes back in the kind, dtype and
     shape it was put, restored from the :class:`adapters.rows.ColumnSpec` that
@@ -101,9 +101,7 @@ from adapters.rows import (
     read_columns_of,
     stack_column,
 )
-from core.frozen import thaw
-from core.meta import KVBatchMeta
-from shell.dataplane import (
+from adapters.store_port import (
     Keys,
     SeqLens,
     Tags,
@@ -114,6 +112,8 @@ from shell.dataplane import (
     validate_put,
     validate_tag_names,
 )
+from core.frozen import thaw
+from core.meta import KVBatchMeta
 
 SPEC_TAG = "__kvspec__"
 """Reserved tag: the JSON list of the wire fields a key holds (:func:`spec_tag`), one per user field."""
@@ -300,7 +300,7 @@ class PutPlan:
     """A validated put: its receipt, what TQ stores, and the spec tag it records.
 
     Attributes:
-        receipt: the put's receipt (:func:`shell.dataplane.validate_put`).
+        receipt: the put's receipt (:func:`adapters.store_port.validate_put`).
         payload: batch ``[N]`` keyed by wire name: tensor columns as given
             (detached), object columns as jagged ``uint8`` pickles, one per row.
         tag: :func:`spec_tag` of the put's wire fields.
@@ -331,8 +331,8 @@ def plan_put(
     (:func:`zero_byte_placeholder`).
 
     Raises:
-        TypeError: see :func:`shell.dataplane.validate_put` and :func:`adapters.rows.column_spec`.
-        ValueError: see :func:`shell.dataplane.validate_put` and :func:`adapters.rows.column_spec`;
+        TypeError: see :func:`adapters.store_port.validate_put` and :func:`adapters.rows.column_spec`.
+        ValueError: see :func:`adapters.store_port.validate_put` and :func:`adapters.rows.column_spec`;
             a tag uses a reserved name.
     """
     receipt = validate_put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
@@ -826,7 +826,7 @@ def _stop(processes: Sequence[subprocess.Popen]) -> None:
 
 
 class TransferQueueStore:
-    """A :class:`shell.dataplane.DataPlaneClient` over TransferQueue; thread-safe.
+    """A :class:`adapters.store_port.DataPlaneClient` over TransferQueue; thread-safe.
 
     Build one with :meth:`start` (starts and owns TQ) or :meth:`attach` (joins a
     running TQ); the constructor only records ownership.
@@ -960,7 +960,7 @@ class TransferQueueStore:
         ``sequence_lengths[i]`` replaces its length.
 
         Returns:
-            The receipt of :func:`shell.dataplane.validate_put`.
+            The receipt of :func:`adapters.store_port.validate_put`.
 
         Raises:
             RuntimeError: the store is closed, or TQ is not running (its error chained).
@@ -1095,10 +1095,6 @@ class TransferQueueStore:
             if self._owns_ray:
                 ray.shutdown()
 
-    def as_async(self) -> AsyncTransferQueueStore:
-        """An :class:`AsyncTransferQueueStore` over this store (closing either closes both)."""
-        return AsyncTransferQueueStore(self)
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(
@@ -1129,117 +1125,3 @@ class TransferQueueStore:
             )
             raise unknown_keys_error(partition_id, unknown_keys(keys, found))
 
-
-class AsyncTransferQueueStore:
-    """An :class:`shell.dataplane.AsyncDataPlaneClient` over a :class:`TransferQueueStore`.
-
-    Each coroutine awaits TQ's client coroutines on the caller's event loop, with
-    exactly the sync semantics and errors. ``close()`` closes the wrapped store.
-
-    Args:
-        store: the store to wrap.
-
-    Raises:
-        TypeError: ``store`` is not a ``TransferQueueStore``.
-    """
-
-    def __init__(self, store: TransferQueueStore) -> None:
-        if not isinstance(store, TransferQueueStore):
-            raise TypeError(f"'store' must be a TransferQueueStore: got {type(store).__name__}")
-        self._store = store
-
-    def __repr__(self) -> str:
-        return f"AsyncTransferQueueStore({self._store!r})"
-
-    @property
-    def sync(self) -> TransferQueueStore:
-        """The wrapped synchronous store."""
-        return self._store
-
-    async def put(
-        self,
-        keys: Keys,
-        partition_id: str,
-        fields: TensorDict,
-        *,
-        tags: Tags | None = None,
-        sequence_lengths: SeqLens | None = None,
-    ) -> KVBatchMeta:
-        """See :meth:`TransferQueueStore.put`."""
-        self._store._check_open()
-        plan = plan_put(
-            keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, pad_rows=self._store._kv_backend
-        )
-        client = self._store._client()
-        meta = await client.async_kv_retrieve_meta(keys=list(plan.receipt.keys), partition_id=partition_id, create=True)
-        fresh = new_keys(plan, meta.custom_meta)
-        meta.update_custom_meta(tag_updates(plan, meta.custom_meta))
-        try:
-            await client.async_put(plan.payload, metadata=meta)
-        except BaseException:
-            if fresh:
-                await _drop_registered(client, meta.select_samples(fresh))
-            raise
-        return plan.receipt
-
-    async def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
-        """See :meth:`TransferQueueStore.get`."""
-        self._store._check_open()
-        keys, names = validate_get(keys, partition_id, select_fields)
-        client = self._store._client()
-        meta = await client.async_kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
-        await self._check_found(client, keys, partition_id, meta)
-        specs = plan_get(keys, partition_id, names, meta.custom_meta)
-        selected = select_wires(meta, specs, partition_id)
-        return decode_columns(specs, await client.async_get_data(selected), len(keys), pad_rows=self._store._kv_backend)
-
-    async def clear(self, keys: Keys, partition_id: str) -> None:
-        """See :meth:`TransferQueueStore.clear`."""
-        self._store._check_open()
-        keys = _clear_keys(partition_id, keys)
-        if not keys:
-            return
-        client = self._store._client()
-        meta = await client.async_kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
-        await self._check_found(client, keys, partition_id, meta)
-        groups = field_set_groups(meta.custom_meta) if self._store._kv_backend else []
-        if len(groups) <= 1:
-            await client.async_clear_samples(meta)
-            return
-        for group in groups:  # see TransferQueueStore.clear
-            subset = [keys[i] for i in group]
-            await client.async_clear_samples(
-                await client.async_kv_retrieve_meta(keys=subset, partition_id=partition_id, create=False)
-            )
-
-    async def list_keys(self, partition_id: str) -> tuple[str, ...]:
-        """See :meth:`TransferQueueStore.list_keys`."""
-        self._store._check_open()
-        _check_partition(partition_id)
-        info = await self._store._client().async_kv_list(partition_id)
-        return tuple(info.get(partition_id, {}))
-
-    async def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta:
-        """See :meth:`TransferQueueStore.describe`."""
-        self._store._check_open()
-        keys = _describe_keys(partition_id, keys)
-        client = self._store._client()
-        meta = await client.async_kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
-        await self._check_found(client, keys, partition_id, meta)
-        return describe_meta(keys, partition_id, meta.custom_meta)
-
-    async def close(self) -> None:
-        """See :meth:`TransferQueueStore.close`."""
-        self._store.close()
-
-    @staticmethod
-    async def _check_found(
-        client: tq.TransferQueueClient, keys: Sequence[str], partition_id: str, meta: tq.BatchMeta
-    ) -> None:
-        if meta.size != len(keys):
-            found = (
-                await client.async_kv_retrieve_keys(global_indexes=meta.global_indexes, partition_id=partition_id)
-                if meta.size
-                else []
-            )
-            raise unknown_keys_error(partition_id, unknown_keys(keys, found))

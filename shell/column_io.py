@@ -23,9 +23,9 @@ import torch
 from tensordict import TensorDict
 
 from adapters.rows import build_tensordict, read_columns_of
+from adapters.store_port import DataPlaneClient
 from core.codec import Layout, is_jagged, materialize, pack_fields, to_jagged
 from core.meta import KVBatchMeta
-from shell.dataplane import DataPlaneClient
 
 GLOBAL_FORWARD_PAD_SEQLEN = "global_forward_pad_seqlen"
 Columns = Mapping[str, Any]

@@ -47,12 +47,12 @@ from tensordict import TensorDict
 
 from adapters.megatron import TinyGPTConfig
 from adapters.rows import build_tensordict
+from adapters.store_port import DataPlaneClient
 from core.meta import KVBatchMeta
 from core.rollout_carry import AdvantagePlan, RolloutCarry, dapo_selection, group_count, plan_advantages
 from core.sharding import PackingSpec
 from core.task import Task
 from core.topology import NamedSharding
-from shell.dataplane import DataPlaneClient
 from shell.loss import ADVANTAGES, PREV_LOGPROBS, REFERENCE_LOGPROBS, SAMPLE_MASK, GRPOLoss
 from shell.metering import MeteredClient
 from shell.phases import PhaseTimer

@@ -12,7 +12,7 @@ the row's bytes) and stores it in the key's reserved tag ``__digest__.f``
 (tags merge per key, new values win, so a later put of ``f`` under a key
 replaces exactly that key's digest of ``f``, whichever process makes it).
 Every get reads the digests back with the data, in one lookup when the inner
-client is a :class:`shell.dataplane.TaggedGetClient` (every adapter here is)
+client is a :class:`adapters.store_port.TaggedGetClient` (every adapter here is)
 and with a ``describe`` otherwise, and raises
 :class:`IntegrityError`, naming the keys and fields, when a row's content no
 longer matches. The digests cover dtype, shape and every bit, so a changed
@@ -44,10 +44,10 @@ import torch
 from tensordict import TensorDict
 
 from adapters.rows import read_columns_of
+from adapters.store_port import DataPlaneClient, Keys, SeqLens, Tags, TaggedGetClient, validate_get
 from core.frozen import FrozenDict
 from core.integrity import DigestMatrix, digest_matrix
 from core.meta import KVBatchMeta
-from shell.dataplane import DataPlaneClient, Keys, SeqLens, Tags, TaggedGetClient, validate_get
 
 DIGEST_PREFIX = "__digest__."
 """Reserved prefix: the tag ``__digest__.f`` of a key holds the digest of its row of field ``f``."""

@@ -32,12 +32,12 @@ from tensordict import TensorDict
 
 from adapters.megatron import TinyGPTConfig
 from adapters.rows import build_tensordict
+from adapters.store_port import DataPlaneClient
 from core.codec import is_jagged, to_jagged, to_padded
 from core.meta import KVBatchMeta
 from core.sharding import DynamicBatchingSpec, PackingSpec, global_pad_length, shard_meta_for_dp, shard_row_indices
 from core.topology import NamedSharding
 from shell.column_io import GLOBAL_FORWARD_PAD_SEQLEN, read_columns, write_columns
-from shell.dataplane import DataPlaneClient
 from shell.loss import PREV_LOGPROBS, REFERENCE_LOGPROBS, TOKEN_MASK
 from shell.metering import column_bytes
 from shell.policy_worker import (

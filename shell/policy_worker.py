@@ -45,11 +45,11 @@ from tensordict import TensorDict
 
 from adapters.megatron import MegatronGPTBackend, TinyGPTConfig
 from adapters.rows import build_tensordict
+from adapters.store_port import DataPlaneClient
 from core.codec import Layout
 from core.frozen import FrozenDict, freeze
 from core.meta import KVBatchMeta
 from shell.column_io import read_columns, write_columns
-from shell.dataplane import DataPlaneClient
 from shell.loss import PREV_LOGPROBS, REFERENCE_LOGPROBS
 from shell.worker_group import Worker
 

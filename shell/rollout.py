@@ -25,11 +25,11 @@ from tensordict import TensorDict
 
 from adapters.megatron import MegatronGPTBackend, TinyGPTConfig
 from adapters.rows import build_tensordict
+from adapters.store_port import DataPlaneClient
 from core.meta import KVBatchMeta
 from core.rollout_carry import RolloutCarry
 from core.task import EOS_ID, Prompt, Task
 from shell.column_io import first_write
-from shell.dataplane import DataPlaneClient
 from shell.loss import TOKEN_MASK
 from shell.policy_worker import INPUT_IDS, LENGTHS, client_io
 from shell.worker_group import Worker

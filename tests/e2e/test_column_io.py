@@ -7,9 +7,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from adapters.store_port import DataPlaneClient
 from core.codec import is_jagged, jagged_lengths
 from shell.column_io import GLOBAL_FORWARD_PAD_SEQLEN, first_write, read_columns, write_columns
-from shell.dataplane import DataPlaneClient
 
 LENGTHS = [3, 0, 6, 2]
 KEYS = ["u0_g0", "u0_g1", "u1_g0", "u1_g1"]

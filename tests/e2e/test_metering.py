@@ -13,11 +13,11 @@ import torch
 from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
-from adapters.transfer_queue import TransferQueueStore
 from adapters.rows import columns_equal, read_columns_of
+from adapters.store_port import DataPlaneClient
+from adapters.transfer_queue import TransferQueueStore
 from core.codec import to_jagged
 from core.meta import KVBatchMeta
-from shell.dataplane import DataPlaneClient
 from shell.metering import DIGEST_PREFIX, DataPlaneEvent, IntegrityError, MeteredClient
 
 LENGTHS = [5, 0, 3, 7]

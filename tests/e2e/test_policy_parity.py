@@ -26,12 +26,12 @@ import torch
 from tensordict import TensorDict
 
 from adapters.megatron import TinyGPTConfig
+from adapters.store_port import DataPlaneClient
 from adapters.transfer_queue import TransferQueueStore
 from core.meta import KVBatchMeta
 from core.sharding import DynamicBatchingSpec, PackingSpec
 from core.topology import NamedSharding
 from shell.column_io import first_write
-from shell.dataplane import DataPlaneClient
 from shell.loss import GRPOLoss
 from shell.policy import DataPlanePolicy, Policy, PolicyConfig, build_group
 from shell.policy_worker import PolicyWorker

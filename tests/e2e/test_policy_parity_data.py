@@ -23,13 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
+from adapters.store_port import DataPlaneClient
 from adapters.transfer_queue import TransferQueueStore
 from core.codec import is_jagged
 from core.grpo import clipped_policy_loss
 from core.sharding import DynamicBatchingSpec, PackingSpec
 from core.topology import NamedSharding
 from shell.column_io import GLOBAL_FORWARD_PAD_SEQLEN, first_write
-from shell.dataplane import DataPlaneClient
 from shell.loss import GRPOLoss
 from shell.policy import PolicyConfig, legacy_meta, legacy_shards, shard_step, slice_rank_batch, stamp_step
 from shell.policy_worker import fetch_rank_batch, micro_batch_plan

@@ -1,12 +1,10 @@
-"""The data-plane contract (``shell/dataplane.py``), run against every adapter through the ``store`` fixture.
+"""The data-plane contract (``adapters/store_port.py``), run against every adapter through the ``store`` fixture.
 
-Every test here holds for each entry of ``STORE_FACTORIES``; the async tests at
-the end cover ``AsyncMemoryStore``.
+Every test here holds for each entry of ``STORE_FACTORIES``.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import numpy as np
@@ -14,10 +12,9 @@ import pytest
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from adapters.memory import AsyncMemoryStore, MemoryStore
 from adapters.rows import columns_equal
+from adapters.store_port import DataPlaneClient, TaggedGetClient
 from core.codec import jagged_lengths, to_jagged
-from shell.dataplane import AsyncDataPlaneClient, DataPlaneClient, TaggedGetClient
 
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -410,51 +407,3 @@ def test_close_is_idempotent_and_later_calls_raise(store: DataPlaneClient, parti
         store.clear(["a"], partition)
     with pytest.raises(RuntimeError, match=r"is closed"):
         store.list_keys(partition)
-
-
-# ---------------------------------------------------------------- async form (memory store)
-
-
-def test_async_memory_store_follows_the_contract(partition: str) -> None:
-    """AsyncMemoryStore has the sync semantics: round trip, order, tags, exact clear, errors, close."""
-    store = MemoryStore().as_async()
-    assert isinstance(store, AsyncDataPlaneClient)
-    fields = _every_kind(3, [0, 2, 1])
-
-    async def scenario() -> None:
-        receipt = await store.put(["k1", "k11", "k2"], partition, fields, tags=[{"r": 1}, {}, {}])
-        assert receipt.fields == tuple(fields.keys())
-        got = await store.get(["k2", "k1"], partition, list(fields.keys()))
-        _assert_columns(got, fields, [2, 0])
-        assert (await store.describe(["k1"], partition)).tags == ({"r": 1},)
-        await store.clear(["k1"], partition)
-        assert await store.list_keys(partition) == ("k11", "k2")
-        with pytest.raises(KeyError, match=r"\['k1'\]"):
-            await store.get(["k1"], partition, ["texts"])
-        with pytest.raises(ValueError, match=r"'keys' must be unique"):
-            await store.put(["z", "z"], partition, _ids(2))
-        assert await store.list_keys(partition) == ("k11", "k2")
-        await store.close()
-        await store.close()
-        with pytest.raises(RuntimeError, match=r"is closed"):
-            await store.list_keys(partition)
-
-    asyncio.run(scenario())
-
-
-def test_async_memory_store_shares_storage_with_its_sync_store(partition: str) -> None:
-    """as_async() views the same storage: a sync put is visible to the async get, and close closes both."""
-    sync = MemoryStore()
-    store = sync.as_async()
-    assert store.sync is sync
-    sync.put(["a"], partition, _ids(1, offset=5))
-    assert asyncio.run(store.get(["a"], partition, ["x"]))["x"].tolist() == [5]
-    asyncio.run(store.close())
-    with pytest.raises(RuntimeError, match=r"MemoryStore is closed"):
-        sync.list_keys(partition)
-
-
-def test_async_memory_store_rejects_a_non_store() -> None:
-    """AsyncMemoryStore wraps only a MemoryStore."""
-    with pytest.raises(TypeError, match=r"'store' must be a MemoryStore: got dict"):
-        AsyncMemoryStore({})  # type: ignore[arg-type]

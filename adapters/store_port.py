@@ -1,10 +1,13 @@
-"""The data-plane port: how the shell talks to a key/value store of per-row tensors.
+"""The store port: the protocols a key/value store of per-row tensors implements, and their checks.
+
+The adapters (``adapters.memory``, ``adapters.ray_memory``,
+``adapters.transfer_queue``) implement it and the shell consumes it, so the
+port sits with the adapters and imports nothing of the shell.
 
 A store holds rows under ``(partition_id, key)``; each row has named fields.
 ``put`` returns a :class:`core.meta.KVBatchMeta` receipt; ``get`` reads columns
-back by key. Every adapter (``adapters.memory.MemoryStore``,
-``adapters.transfer_queue.TransferQueueStore``) keeps these semantics, checked
-by one contract suite (``tests/e2e/test_store_contract.py``):
+back by key. Every adapter keeps these semantics, checked by one contract
+suite (``tests/e2e/test_store_contract.py``):
 
 * **Shape-faithful round trips.** A dense ``(N, ...)`` field comes back dense,
   a jagged field jagged with the same rows, ``(N,)`` stays ``(N,)`` and
@@ -19,6 +22,10 @@ by one contract suite (``tests/e2e/test_store_contract.py``):
 * **Independent partitions; last write wins** for a field under a key.
 
 This module holds the protocols and the pre-I/O validation every adapter calls.
+
+Invariant: every adapter raises exactly the errors of :func:`validate_put`,
+:func:`validate_get`, :func:`missing_field_error` and :func:`unknown_keys_error`,
+so callers see one error vocabulary whatever the store.
 """
 
 from __future__ import annotations
@@ -98,31 +105,6 @@ class TaggedGetClient(Protocol):
             string; ``ValueError`` if it names a tag reserved by the adapter.
         """
         ...
-
-
-@runtime_checkable
-class AsyncDataPlaneClient(Protocol):
-    """Asynchronous form of :class:`DataPlaneClient`: the same methods, as coroutines."""
-
-    async def put(
-        self,
-        keys: Keys,
-        partition_id: str,
-        fields: TensorDict,
-        *,
-        tags: Tags | None = None,
-        sequence_lengths: SeqLens | None = None,
-    ) -> KVBatchMeta: ...
-
-    async def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict: ...
-
-    async def clear(self, keys: Keys, partition_id: str) -> None: ...
-
-    async def list_keys(self, partition_id: str) -> tuple[str, ...]: ...
-
-    async def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta: ...
-
-    async def close(self) -> None: ...
 
 
 def validate_put(
