@@ -27,24 +27,18 @@ from hypothesis import given
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from adapters.rows import ColumnSpec, columns_equal, stack_column
-from adapters.store_port import DataPlaneClient
-from adapters.transfer_queue import (
-    TransferQueueStore,
+from adapters.tq_mooncake import from_zero_byte_placeholder, pad_jagged_rows, unpad_jagged_rows, zero_byte_placeholder
+from adapters.tq_system import known_backends, resolve_config
+from adapters.tq_wire import (
     decode_column,
     field_set_groups,
-    from_zero_byte_placeholder,
-    is_running,
-    known_backends,
     merge_spec_tags,
-    pad_jagged_rows,
     parse_spec_tag,
     parse_wire_name,
-    resolve_config,
     spec_tag,
-    unpad_jagged_rows,
     wire_name,
-    zero_byte_placeholder,
 )
+from adapters.transfer_queue import TransferQueueStore, is_running
 from core.codec import jagged_lengths, to_jagged
 from tests.e2e.conftest import ROOT, TQ_BACKEND
 from tests.property.strategies import digest_columns
@@ -516,7 +510,7 @@ def test_rewrite_with_another_spec_leaves_the_old_wire_field_until_clear(
 
 def test_start_with_mooncake_missing_fails_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a loadable 'mooncake' package, start() names the pip package to install and starts nothing."""
-    import adapters.transfer_queue as adapter
+    import adapters.tq_mooncake as adapter
 
     config = {"backend": {"storage_backend": "MooncakeStore"}}
     running = is_running()
