@@ -36,8 +36,11 @@ from adapters.store_port import (
     Tags,
     missing_field_error,
     pick_tags,
+    stored_meta,
     unknown_keys_error,
     validate_get,
+    validate_keys,
+    validate_partition,
     validate_put,
     validate_tag_names,
 )
@@ -181,7 +184,7 @@ class MemoryStore:
             KeyError: some keys are not stored in ``partition_id``.
         """
         self._check_open()
-        keys = KVBatchMeta(partition_id, keys).keys
+        keys = validate_keys(keys, partition_id, allow_empty=True)
         with self._lock:
             self._check_open()
             partition = self._partitions.get(partition_id, {})
@@ -201,8 +204,7 @@ class MemoryStore:
             TypeError: ``partition_id`` is not a str.
         """
         self._check_open()
-        if not isinstance(partition_id, str):
-            raise TypeError(f"'partition_id' must be a str: got {type(partition_id).__name__}")
+        validate_partition(partition_id)
         with self._lock:
             return tuple(self._partitions.get(partition_id, {}))
 
@@ -216,20 +218,16 @@ class MemoryStore:
             KeyError: some keys are not stored.
         """
         self._check_open()
-        keys = KVBatchMeta(partition_id, keys).keys
-        if not keys:
-            raise ValueError("'keys' must name at least one row: got none")
+        keys = validate_keys(keys, partition_id)
         with self._lock:
             self._check_open()
             entries = self._entries(keys, partition_id)
-        names = dict.fromkeys(name for entry in entries for name in entry.fields)
-        lengths = [entry.sequence_length for entry in entries]
-        return KVBatchMeta(
-            partition_id,
+        return stored_meta(
             keys,
-            fields=[name for name in names if all(name in entry.fields for entry in entries)],
-            tags=[entry.tags for entry in entries],
-            sequence_lengths=None if None in lengths else lengths,
+            partition_id,
+            [entry.fields for entry in entries],
+            [entry.tags for entry in entries],
+            [entry.sequence_length for entry in entries],
         )
 
     def close(self) -> None:

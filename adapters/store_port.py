@@ -30,7 +30,7 @@ so callers see one error vocabulary whatever the store.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from tensordict import TensorDict
@@ -160,6 +160,57 @@ def validate_get(keys: Keys, partition_id: str, select_fields: Sequence[str]) ->
     if not meta.keys:
         raise ValueError("'keys' must name at least one row: got none")
     return meta.keys, meta.fields
+
+
+def validate_keys(keys: Keys, partition_id: str, *, allow_empty: bool = False) -> tuple[str, ...]:
+    """Check the keys of a ``clear`` (``allow_empty=True``) or ``describe``; return them as a tuple.
+
+    Raises:
+        TypeError: ``keys`` is a single string, or holds a non-string.
+        ValueError: keys repeat or are empty strings; no key (unless ``allow_empty``).
+    """
+    checked = KVBatchMeta(partition_id, keys).keys
+    if not checked and not allow_empty:
+        raise ValueError("'keys' must name at least one row: got none")
+    return checked
+
+
+def validate_partition(partition_id: Any) -> str:
+    """Check the ``partition_id`` of a ``list_keys``; return it.
+
+    Raises:
+        TypeError: ``partition_id`` is not a str.
+    """
+    if not isinstance(partition_id, str):
+        raise TypeError(f"'partition_id' must be a str: got {type(partition_id).__name__}")
+    return partition_id
+
+
+def stored_meta(
+    keys: Sequence[str],
+    partition_id: str,
+    held: Sequence[Collection[str]],
+    tags: Tags,
+    lengths: Sequence[int | None],
+) -> KVBatchMeta:
+    """The ``describe`` of ``keys``: the fields every key holds, in first-put order, their tags, and
+    their sequence lengths when every key has one.
+
+    Args:
+        keys: the described keys.
+        partition_id: their partition.
+        held: per key, the fields it holds, in the order they were first put.
+        tags: per key, its merged user tags.
+        lengths: per key, its sequence length or None.
+    """
+    names = dict.fromkeys(name for fields in held for name in fields)
+    return KVBatchMeta(
+        partition_id,
+        keys,
+        fields=[name for name in names if all(name in fields for fields in held)],
+        tags=tags,
+        sequence_lengths=None if None in lengths else lengths,
+    )
 
 
 def validate_tag_names(tag_names: Sequence[str], reserved: frozenset[str] = frozenset()) -> tuple[str, ...]:

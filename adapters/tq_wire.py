@@ -49,7 +49,7 @@ from adapters.rows import (
     read_columns_of,
     stack_column,
 )
-from adapters.store_port import Keys, SeqLens, Tags, missing_field_error, validate_put
+from adapters.store_port import Keys, SeqLens, Tags, missing_field_error, stored_meta, validate_put
 from adapters.tq_mooncake import (
     from_zero_byte_placeholder,
     pad_jagged_rows,
@@ -472,15 +472,10 @@ def field_set_groups(tags: Sequence[Mapping[str, Any]]) -> list[list[int]]:
 
 def describe_meta(keys: Sequence[str], partition_id: str, tags: Sequence[Mapping[str, Any]]) -> KVBatchMeta:
     """What ``keys`` hold, from their tags: fields every key holds (first-put order), user tags, lengths."""
-    specs = [stored_specs(t) for t in tags]
-    names = dict.fromkeys(name for held in specs for name in held)
-    lengths = [t.get(LENGTH_TAG) for t in tags]
-    return KVBatchMeta(
-        partition_id,
+    return stored_meta(
         keys,
-        fields=[name for name in names if all(name in held for held in specs)],
-        tags=[{k: v for k, v in t.items() if k not in RESERVED_TAGS} for t in tags],
-        sequence_lengths=None if None in lengths else lengths,
+        partition_id,
+        [stored_specs(t) for t in tags],
+        [{k: v for k, v in t.items() if k not in RESERVED_TAGS} for t in tags],
+        [t.get(LENGTH_TAG) for t in tags],
     )
-
-

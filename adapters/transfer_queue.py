@@ -63,6 +63,8 @@ from adapters.store_port import (
     pick_tags,
     unknown_keys_error,
     validate_get,
+    validate_keys,
+    validate_partition,
     validate_tag_names,
 )
 from adapters.tq_system import Config, SystemHold, is_running
@@ -81,23 +83,6 @@ from adapters.tq_wire import (
 from core.meta import KVBatchMeta
 
 __all__ = ["TransferQueueStore", "is_running"]
-
-
-def _clear_keys(partition_id: str, keys: Keys) -> tuple[str, ...]:
-    """The checked keys of a clear (TypeError for a single string, ValueError for repeats)."""
-    return KVBatchMeta(partition_id, keys).keys
-
-
-def _describe_keys(partition_id: str, keys: Keys) -> tuple[str, ...]:
-    checked = KVBatchMeta(partition_id, keys).keys
-    if not checked:
-        raise ValueError("'keys' must name at least one row: got none")
-    return checked
-
-
-def _check_partition(partition_id: Any) -> None:
-    if not isinstance(partition_id, str):
-        raise TypeError(f"'partition_id' must be a str: got {type(partition_id).__name__}")
 
 
 async def _drop_registered(client: tq.TransferQueueClient, meta: tq.BatchMeta) -> None:
@@ -270,7 +255,7 @@ class TransferQueueStore:
             KeyError: some keys are not stored in ``partition_id``.
         """
         self._check_open()
-        keys = _clear_keys(partition_id, keys)
+        keys = validate_keys(keys, partition_id, allow_empty=True)
         if not keys:
             return
         client = tq_system.client()
@@ -293,7 +278,7 @@ class TransferQueueStore:
             TypeError: ``partition_id`` is not a str.
         """
         self._check_open()
-        _check_partition(partition_id)
+        validate_partition(partition_id)
         return tuple(tq_system.client().kv_list(partition_id).get(partition_id, {}))
 
     def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta:
@@ -306,7 +291,7 @@ class TransferQueueStore:
             KeyError: some keys are not stored.
         """
         self._check_open()
-        keys = _describe_keys(partition_id, keys)
+        keys = validate_keys(keys, partition_id)
         client = tq_system.client()
         meta = client.kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
         self._check_found(client, keys, partition_id, meta)
