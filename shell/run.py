@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import signal
 import sys
@@ -111,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(stderr=True)
     # megatron warns at import that optional fused kernels are absent; the local fallbacks are what we use.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed", category=UserWarning)
+    from adapters import tq_system
     from shell.grpo_trainer import GRPOTrainer, StepError, load_checkpoint  # heavy (megatron): after --help
     from shell.worker_group import WorkerError
 
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = 0
     try:
         trainer.start(on_status=lambda message: console.print(f"  {message}", highlight=False))
-        _quiet_transfer_queue()
+        tq_system.quiet_logs()
         _write_processes(trainer, run_dir / PROCESSES_FILE)
         if checkpoint is not None:
             trainer.load_policy_state(checkpoint["weights"])
@@ -183,13 +183,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
     _plot(run_dir, console)
     return status
-
-
-def _quiet_transfer_queue() -> None:
-    """TransferQueue's client warns on every call that it caps its threads at the core count: keep errors only."""
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("transfer_queue"):
-            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _summary(error: BaseException) -> str:

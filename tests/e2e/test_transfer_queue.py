@@ -13,6 +13,7 @@ Ray.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from adapters.rows import ColumnSpec, columns_equal, stack_column
 from adapters.tq_mooncake import from_zero_byte_placeholder, pad_jagged_rows, unpad_jagged_rows, zero_byte_placeholder
-from adapters.tq_system import known_backends, resolve_config
+from adapters.tq_system import known_backends, quiet_logs, resolve_config
 from adapters.tq_wire import (
     decode_column,
     field_set_groups,
@@ -147,6 +148,20 @@ def test_resolve_config_rejects_unknown_backend_and_non_mappings() -> None:
         resolve_config({"backend": {"storage_backend": "No"}})
     with pytest.raises(TypeError, match=r"'config' must be a mapping of TransferQueue settings or None: got str"):
         resolve_config("SimpleStorage")  # type: ignore[arg-type]
+
+
+def test_quiet_logs_keeps_only_errors_of_every_transfer_queue_logger(tq_store_session: TransferQueueStore) -> None:
+    """quiet_logs raises every TransferQueue logger (their levels are set explicitly) to ERROR, and no other logger."""
+    names = [name for name in logging.root.manager.loggerDict if name.startswith("transfer_queue")]
+    other = logging.getLogger("tests.e2e.quiet_logs")
+    saved = {name: logging.getLogger(name).level for name in names}
+    try:
+        quiet_logs()
+        assert names and all(logging.getLogger(name).level == logging.ERROR for name in names)
+        assert other.level == logging.NOTSET
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def test_start_while_running_raises_runtime_error(tq_store_session: TransferQueueStore) -> None:
