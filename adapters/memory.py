@@ -32,8 +32,7 @@ from tensordict import TensorDict
 from adapters.rows import ColumnSpec, build_tensordict, common_spec, read_columns_of, split_column, stack_column
 from adapters.store_port import (
     Keys,
-    SeqLens,
-    Tags,
+    StorePuts,
     missing_field_error,
     pick_tags,
     stored_meta,
@@ -59,7 +58,7 @@ class _Entry:
     sequence_length: int | None = None
 
 
-class MemoryStore:
+class MemoryStore(StorePuts):
     """An in-process :class:`adapters.store_port.DataPlaneClient`; thread-safe.
 
     Example:
@@ -79,35 +78,12 @@ class MemoryStore:
         state = "closed" if self._closed else f"{len(self._partitions)} partitions"
         return f"MemoryStore({state})"
 
-    def put(
-        self,
-        keys: Keys,
-        partition_id: str,
-        fields: TensorDict,
-        *,
-        tags: Tags | None = None,
-        sequence_lengths: SeqLens | None = None,
-    ) -> KVBatchMeta:
-        """Write ``fields`` (batch size ``len(keys)``) under ``keys`` in ``partition_id``.
-
-        Each field of each key is replaced (last write wins); fields this put
-        does not name are kept. ``tags[i]`` is merged into key ``i``'s tags;
-        ``sequence_lengths[i]`` replaces its length (omitted: kept).
-
-        Returns:
-            The receipt of :func:`adapters.store_port.validate_put`: ``fields`` lists
-            the fields *this put* wrote, ``tags`` and ``sequence_lengths`` are
-            the ones passed (not merged). Use :meth:`describe` for what is stored.
-
-        Raises:
-            RuntimeError: the store is closed.
-            TypeError: ``fields`` is not a TensorDict, or a column is of an
-                unsupported kind (see :func:`adapters.rows.split_column`).
-            ValueError: keys repeat or are empty; the batch size differs from
-                the key count; tags or lengths are not 1:1 with keys.
-        """
+    def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags):
+        """Copy every row into storage (see :class:`adapters.store_port.StorePuts` and :func:`adapters.rows.split_column`)."""
         self._check_open()
-        receipt = validate_put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+        receipt = validate_put(
+            keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, reserved_tags=reserved_tags
+        )
         n = len(receipt)
         columns = {name: split_column(name, value, n) for name, value in read_columns_of(fields).items()}
         with self._lock:

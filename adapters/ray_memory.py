@@ -43,7 +43,7 @@ from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
 from adapters.rows import column_spec, read_columns_of
-from adapters.store_port import Keys, SeqLens, Tags, validate_get, validate_put, validate_tag_names
+from adapters.store_port import Keys, SeqLens, StorePuts, Tags, validate_get, validate_put, validate_tag_names
 from core.meta import KVBatchMeta
 
 NAMESPACE = "rl-dataplane-memory"
@@ -65,17 +65,14 @@ class MemoryStoreActor:
         """True once the actor is constructed (a call that waits for it)."""
         return True
 
-    def put(
-        self,
-        keys: Keys,
-        partition_id: str,
-        fields: TensorDict,
-        *,
-        tags: Tags | None = None,
-        sequence_lengths: SeqLens | None = None,
-    ) -> KVBatchMeta:
-        """See :meth:`adapters.memory.MemoryStore.put`."""
-        return self._store.put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+    def put(self, keys: Keys, partition_id: str, fields: TensorDict, tags: Tags | None, sequence_lengths: SeqLens | None,
+            reserved_tags: Tags | None) -> KVBatchMeta:
+        """:meth:`adapters.memory.MemoryStore.put`, or ``put_with_reserved_tags`` when ``reserved_tags`` is given."""
+        if reserved_tags is None:
+            return self._store.put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+        return self._store.put_with_reserved_tags(
+            keys, partition_id, fields, reserved_tags=reserved_tags, tags=tags, sequence_lengths=sequence_lengths
+        )
 
     def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
         """See :meth:`adapters.memory.MemoryStore.get`."""
@@ -118,7 +115,7 @@ def is_running(name: str) -> bool:
     return True
 
 
-class RayMemoryStore:
+class RayMemoryStore(StorePuts):
     """A :class:`adapters.store_port.DataPlaneClient` over a :class:`MemoryStoreActor`; thread-safe.
 
     Build one with :meth:`start` (creates and owns the actor) or :meth:`attach`
@@ -213,42 +210,16 @@ class RayMemoryStore:
         """Whether ``close()`` kills the actor."""
         return self._owns_actor
 
-    def put(
-        self,
-        keys: Keys,
-        partition_id: str,
-        fields: TensorDict,
-        *,
-        tags: Tags | None = None,
-        sequence_lengths: SeqLens | None = None,
-    ) -> KVBatchMeta:
-        """Write ``fields`` under ``keys``; see :meth:`adapters.memory.MemoryStore.put`.
-
-        Arguments and every column are checked here before anything is sent.
-
-        Returns:
-            The receipt of :func:`adapters.store_port.validate_put`.
-
-        Raises:
-            RuntimeError: the client is closed, or the actor is gone.
-            TypeError: ``fields`` is not a TensorDict, or a column is of an
-                unsupported kind (see :func:`adapters.rows.column_spec`).
-            ValueError: keys repeat or are empty; the batch size differs from
-                the key count; tags or lengths are not 1:1 with keys.
-        """
+    def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags):
+        """Check the arguments and every column here, then send them to the actor (see :class:`adapters.store_port.StorePuts`)."""
         self._check_open()
-        receipt = validate_put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+        receipt = validate_put(
+            keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, reserved_tags=reserved_tags
+        )
         for column, value in read_columns_of(fields).items():
             column_spec(column, value, len(receipt))
-        return self._call(
-            self._handle.put.remote(
-                receipt.keys,
-                receipt.partition_id,
-                fields.detach(),
-                tags=receipt.tags,
-                sequence_lengths=receipt.sequence_lengths,
-            )
-        )
+        remote = self._handle.put.remote
+        return self._call(remote(receipt.keys, partition_id, fields.detach(), tags, receipt.sequence_lengths, reserved_tags))
 
     def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
         """Read ``select_fields`` of ``keys``, in request order; see :meth:`adapters.memory.MemoryStore.get`.

@@ -19,6 +19,9 @@ suite (``tests/e2e/test_store_contract.py``):
   1:1 with keys raise ``ValueError`` before any I/O, so a rejected put writes
   nothing.
 * **Exact clears.** ``clear(K)`` leaves every key outside ``K`` readable.
+* **Reserved tags.** Tag names under :data:`RESERVED_TAG_PREFIX` (the
+  integrity digests) are rejected by ``put``, writing nothing; only
+  :meth:`ReservedTagPutClient.put_with_reserved_tags` writes them.
 * **Independent partitions; last write wins** for a field under a key.
 
 This module holds the protocols and the pre-I/O validation every adapter calls.
@@ -33,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import attrs
 from tensordict import TensorDict
 
 from core.meta import KVBatchMeta
@@ -40,6 +44,11 @@ from core.meta import KVBatchMeta
 Keys = Sequence[str]
 Tags = Sequence[Mapping[str, Any]]
 SeqLens = Sequence[int]
+
+RESERVED_TAG_PREFIX = "__digest__."
+"""Tag names with this prefix are reserved for the integrity digests (``shell.metering``): a ``put``
+rejects them, so a caller cannot forge a digest; only :meth:`ReservedTagPutClient.put_with_reserved_tags`
+writes them."""
 
 
 @runtime_checkable
@@ -107,6 +116,82 @@ class TaggedGetClient(Protocol):
         ...
 
 
+@runtime_checkable
+class ReservedTagPutClient(Protocol):
+    """Optional capability of a synchronous client: a put that also writes reserved tags.
+
+    ``put`` rejects tag names under :data:`RESERVED_TAG_PREFIX`; this is the
+    one way to write them. ``shell.metering.MeteredClient`` writes its
+    integrity digests through it and needs it to verify integrity. Every
+    adapter in ``adapters/`` implements it.
+    """
+
+    def put_with_reserved_tags(
+        self, keys: Keys, partition_id: str, fields: TensorDict, *, reserved_tags: Tags,
+        tags: Tags | None = None, sequence_lengths: SeqLens | None = None,
+    ) -> KVBatchMeta:
+        """``put``, also merging ``reserved_tags[i]`` (every name under :data:`RESERVED_TAG_PREFIX`)
+        into key ``i``'s tags; the receipt's tags are the merged ones.
+
+        Raises:
+            Whatever ``put`` raises; ``ValueError`` if ``reserved_tags`` is not
+            1:1 with keys or names a tag outside the prefix; ``TypeError`` if
+            an entry is not a mapping.
+        """
+        ...
+
+
+class StorePuts:
+    """Base of every adapter: its ``put`` and ``put_with_reserved_tags``, written once.
+
+    Both hand their arguments to the adapter's ``_put``, which checks them
+    with :func:`validate_put` before any I/O and writes; ``put`` passes no
+    reserved tags, so only ``put_with_reserved_tags`` can write them.
+    """
+
+    def put(
+        self,
+        keys: Keys,
+        partition_id: str,
+        fields: TensorDict,
+        *,
+        tags: Tags | None = None,
+        sequence_lengths: SeqLens | None = None,
+    ) -> KVBatchMeta:
+        """Write ``fields`` (batch size ``len(keys)``) under ``keys`` in ``partition_id``.
+
+        Each field of each key is replaced (last write wins); fields this put
+        does not name are kept. ``tags[i]`` is merged into key ``i``'s tags;
+        ``sequence_lengths[i]`` replaces its length (omitted: kept).
+
+        Returns:
+            The receipt of :func:`validate_put`: ``fields`` lists the fields
+            *this put* wrote, ``tags`` and ``sequence_lengths`` are the ones
+            passed (not merged). ``describe`` tells what is stored.
+
+        Raises:
+            RuntimeError: the store is closed, or its backend is gone.
+            TypeError: ``fields`` is not a TensorDict, or a column is of an
+                unsupported kind (see :func:`adapters.rows.column_spec`).
+            ValueError: keys repeat or are empty; the batch size differs from
+                the key count; tags or lengths are not 1:1 with keys; a tag
+                name is reserved (:data:`RESERVED_TAG_PREFIX`, or by the adapter).
+        """
+        return self._put(keys, partition_id, fields, tags, sequence_lengths, None)
+
+    def put_with_reserved_tags(
+        self, keys: Keys, partition_id: str, fields: TensorDict, *, reserved_tags: Tags,
+        tags: Tags | None = None, sequence_lengths: SeqLens | None = None,
+    ) -> KVBatchMeta:
+        """See :meth:`ReservedTagPutClient.put_with_reserved_tags`."""
+        return self._put(keys, partition_id, fields, tags, sequence_lengths, reserved_tags)
+
+    def _put(self, keys: Keys, partition_id: str, fields: TensorDict, tags: Tags | None,
+             sequence_lengths: SeqLens | None, reserved_tags: Tags | None) -> KVBatchMeta:
+        """Check (``validate_put(..., reserved_tags=reserved_tags)``) and write; the adapter's own."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _put")
+
+
 def validate_put(
     keys: Keys,
     partition_id: str,
@@ -114,16 +199,24 @@ def validate_put(
     *,
     tags: Tags | None = None,
     sequence_lengths: SeqLens | None = None,
+    reserved_tags: Tags | None = None,
 ) -> KVBatchMeta:
     """Check a put's arguments and build its receipt, before any I/O.
 
+    Args:
+        reserved_tags: per key, tags under :data:`RESERVED_TAG_PREFIX` to merge
+            into ``tags[i]`` (only :meth:`ReservedTagPutClient.put_with_reserved_tags` passes them).
+
     Returns:
-        The ``KVBatchMeta`` receipt: ``fields`` lists the written field names.
+        The ``KVBatchMeta`` receipt: ``fields`` lists the written field names,
+        ``tags`` what the put writes per key (``tags[i]`` merged with ``reserved_tags[i]``).
 
     Raises:
-        TypeError: ``fields`` is not a TensorDict.
+        TypeError: ``fields`` is not a TensorDict; a tag entry is not a mapping.
         ValueError: keys repeat or are empty; the batch size differs from the
-            key count; tags or lengths are not 1:1 with keys; no field given.
+            key count; tags or lengths are not 1:1 with keys; no field given;
+            a name in ``tags`` starts with :data:`RESERVED_TAG_PREFIX`, or one
+            in ``reserved_tags`` does not.
     """
     if not isinstance(fields, TensorDict):
         raise TypeError(
@@ -144,7 +237,36 @@ def validate_put(
         raise ValueError("'fields' must hold at least one field: got an empty TensorDict")
     if not receipt.keys:
         raise ValueError("'keys' must name at least one row: got none")
-    return receipt
+    for i, tag in enumerate(receipt.tags or ()):
+        forged = [name for name in tag if _is_reserved(name)]
+        if forged:
+            raise ValueError(
+                f"tag names starting with {RESERVED_TAG_PREFIX!r} are reserved for integrity digests: got {forged} "
+                f"at index {i}; rename them (only the integrity layer writes these tags)"
+            )
+    if reserved_tags is None:
+        return receipt
+    return attrs.evolve(receipt, tags=_merge_reserved(receipt.tags or [{}] * len(receipt), reserved_tags))
+
+
+def _is_reserved(name: Any) -> bool:
+    return isinstance(name, str) and name.startswith(RESERVED_TAG_PREFIX)
+
+
+def _merge_reserved(tags: Tags, reserved_tags: Tags) -> list[dict[str, Any]]:
+    """``tags[i]`` merged with ``reserved_tags[i]``, each of whose names must be reserved."""
+    if isinstance(reserved_tags, (str, bytes, Mapping)) or len(reserved_tags) != len(tags):
+        got = type(reserved_tags).__name__ if isinstance(reserved_tags, (str, bytes, Mapping)) else len(reserved_tags)
+        raise ValueError(f"'reserved_tags' must have {len(tags)} entries (one per key): got {got}")
+    merged = []
+    for i, (tag, extra) in enumerate(zip(tags, reserved_tags)):
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"'reserved_tags' entries must be mappings: got {type(extra).__name__} at index {i}")
+        plain = [name for name in extra if not _is_reserved(name)]
+        if plain:
+            raise ValueError(f"'reserved_tags' names must start with {RESERVED_TAG_PREFIX!r}: got {plain} at index {i}")
+        merged.append({**tag, **extra})
+    return merged
 
 
 def validate_get(keys: Keys, partition_id: str, select_fields: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:

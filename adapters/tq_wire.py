@@ -195,6 +195,7 @@ def plan_put(
     *,
     tags: Tags | None = None,
     sequence_lengths: SeqLens | None = None,
+    reserved_tags: Tags | None = None,
     pad_rows: bool = False,
 ) -> PutPlan:
     """Check a put completely (arguments, reserved tags, every column) and encode it for TQ.
@@ -206,14 +207,17 @@ def plan_put(
     columns travel with one zero element appended to every row
     (:func:`adapters.tq_mooncake.pad_jagged_rows`), and a tensor column whose
     rows hold no bytes at all as its row lengths
-    (:func:`adapters.tq_mooncake.zero_byte_placeholder`).
+    (:func:`adapters.tq_mooncake.zero_byte_placeholder`). ``reserved_tags``
+    merge into ``tags`` as :func:`adapters.store_port.validate_put` merges them.
 
     Raises:
         TypeError: see :func:`adapters.store_port.validate_put` and :func:`adapters.rows.column_spec`.
         ValueError: see :func:`adapters.store_port.validate_put` and :func:`adapters.rows.column_spec`;
             a tag uses a reserved name.
     """
-    receipt = validate_put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+    receipt = validate_put(
+        keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, reserved_tags=reserved_tags
+    )
     for i, tag in enumerate(receipt.tags or ()):
         reserved = sorted(RESERVED_TAGS.intersection(tag))
         if reserved:

@@ -58,8 +58,7 @@ from tensordict import TensorDict
 from adapters import tq_system
 from adapters.store_port import (
     Keys,
-    SeqLens,
-    Tags,
+    StorePuts,
     pick_tags,
     unknown_keys_error,
     validate_get,
@@ -104,7 +103,7 @@ async def _drop_registered(client: tq.TransferQueueClient, meta: tq.BatchMeta) -
 # ---------------------------------------------------------------- stores
 
 
-class TransferQueueStore:
+class TransferQueueStore(StorePuts):
     """A :class:`adapters.store_port.DataPlaneClient` over TransferQueue; thread-safe.
 
     Build one with :meth:`start` (starts and owns TQ) or :meth:`attach` (joins a
@@ -162,33 +161,17 @@ class TransferQueueStore:
         """Whether ``close()`` shuts TransferQueue down."""
         return self._hold.owns_transfer_queue
 
-    def put(
-        self,
-        keys: Keys,
-        partition_id: str,
-        fields: TensorDict,
-        *,
-        tags: Tags | None = None,
-        sequence_lengths: SeqLens | None = None,
-    ) -> KVBatchMeta:
-        """Write ``fields`` (batch size ``len(keys)``) under ``keys`` in ``partition_id``.
+    def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags):
+        """Check the put completely (:func:`adapters.tq_wire.plan_put`), then write it (see
+        :class:`adapters.store_port.StorePuts`); a TQ failure chains TQ's error and clears the keys it registered.
 
-        Semantics as :meth:`adapters.memory.MemoryStore.put`: last write wins per
-        field, other fields are kept, ``tags[i]`` merge into key ``i``'s tags and
-        ``sequence_lengths[i]`` replaces its length.
-
-        Returns:
-            The receipt of :func:`adapters.store_port.validate_put`.
-
-        Raises:
-            RuntimeError: the store is closed, or TQ is not running (its error chained).
-            TypeError: ``fields`` is not a TensorDict, or a column is of an unsupported kind.
-            ValueError: keys repeat or are empty; the batch size differs from the
-                key count; tags or lengths are not 1:1 with keys; a tag uses a
-                reserved name (``__kvspec__``, ``__kvlen__``).
+        Besides the port's reserved tags, ``__kvspec__`` and ``__kvlen__`` are reserved here.
         """
         self._check_open()
-        plan = plan_put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, pad_rows=self._kv_backend)
+        plan = plan_put(
+            keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, reserved_tags=reserved_tags,
+            pad_rows=self._kv_backend,
+        )
         client = tq_system.client()
         meta = client.kv_retrieve_meta(keys=list(plan.receipt.keys), partition_id=partition_id, create=True)
         fresh = new_keys(plan, meta.custom_meta)

@@ -13,7 +13,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from adapters.rows import columns_equal
-from adapters.store_port import DataPlaneClient, TaggedGetClient
+from adapters.store_port import DataPlaneClient, ReservedTagPutClient, TaggedGetClient
 from core.codec import jagged_lengths, to_jagged
 
 DTYPES = (
@@ -328,6 +328,13 @@ def test_get_rejects_bad_arguments(store: DataPlaneClient, partition: str) -> No
         (["a", "new"], _ids(3), {}, ValueError, r"'fields' batch size must equal the key count 2: got 3"),
         (["a", "new"], _ids(2), {"tags": [{}]}, ValueError, r"'tags' must have 2 entries \(one per key\): got 1"),
         (["a", "new"], _ids(2), {"sequence_lengths": [1, 2, 3]}, ValueError, r"'sequence_lengths' must have 2 entries"),
+        (
+            ["a", "new"],
+            _ids(2),
+            {"tags": [{}, {"uid": 1, "__digest__.x": 5}]},
+            ValueError,
+            r"tag names starting with '__digest__\.' are reserved for integrity digests: got \['__digest__\.x'\] at index 1",
+        ),
         (["a", "new"], {"x": torch.zeros(2)}, {}, TypeError, r"'fields' must be a TensorDict"),
         (
             ["a", "new"],
@@ -337,7 +344,15 @@ def test_get_rejects_bad_arguments(store: DataPlaneClient, partition: str) -> No
             r"field 'bad' must hold one value per row",
         ),
     ],
-    ids=["duplicate-keys", "batch-mismatch", "tags-not-1to1", "lengths-not-1to1", "not-a-tensordict", "unsupported-column"],
+    ids=[
+        "duplicate-keys",
+        "batch-mismatch",
+        "tags-not-1to1",
+        "lengths-not-1to1",
+        "reserved-tag",
+        "not-a-tensordict",
+        "unsupported-column",
+    ],
 )
 def test_put_rejected_writes_nothing(
     store: DataPlaneClient,
@@ -356,6 +371,26 @@ def test_put_rejected_writes_nothing(
     got = store.get(["a"], partition, ["x"])
     assert list(got.keys()) == ["x"] and got["x"].tolist() == [7]
     assert store.describe(["a"], partition).tags == ({"r": 1},)  # type: ignore[attr-defined]
+
+
+def test_put_with_reserved_tags_writes_them_and_rejects_others(store: DataPlaneClient, partition: str) -> None:
+    """put_with_reserved_tags merges reserved tags into the user tags; a non-reserved or unmatched one writes nothing."""
+    assert isinstance(store, ReservedTagPutClient)
+    reserved = [{"__digest__.x": 11}, {"__digest__.x": -2}]
+    receipt = store.put_with_reserved_tags(["a", "b"], partition, _ids(2), reserved_tags=reserved, tags=[{"r": 1}, {}])
+    assert receipt.tags == ({"r": 1, "__digest__.x": 11}, {"__digest__.x": -2})
+    assert store.describe(["b", "a"], partition).tags == ({"__digest__.x": -2}, {"r": 1, "__digest__.x": 11})  # type: ignore[attr-defined]
+    _, tags = store.get_with_tags(["a", "b"], partition, ["x"], ["__digest__.x"])  # type: ignore[attr-defined]
+    assert tags == ({"__digest__.x": 11}, {"__digest__.x": -2})
+    with pytest.raises(ValueError, match=r"'reserved_tags' names must start with '__digest__\.': got \['r'\] at index 0"):
+        store.put_with_reserved_tags(["a", "new"], partition, _ids(2, 5), reserved_tags=[{"r": 2}, {}])
+    with pytest.raises(ValueError, match=r"'reserved_tags' must have 2 entries \(one per key\): got 1"):
+        store.put_with_reserved_tags(["a", "new"], partition, _ids(2, 5), reserved_tags=[{}])
+    with pytest.raises(ValueError, match=r"tag names starting with '__digest__\.' are reserved .* at index 0"):
+        store.put_with_reserved_tags(["a", "new"], partition, _ids(2, 5), reserved_tags=[{}, {}], tags=[{"__digest__.x": 0}, {}])
+    assert store.list_keys(partition) == ("a", "b")
+    assert store.get(["a"], partition, ["x"])["x"].tolist() == [0]
+    assert store.describe(["a"], partition).tags == ({"r": 1, "__digest__.x": 11},)  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------- aliasing and lifecycle
