@@ -52,7 +52,6 @@ from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -65,59 +64,15 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from adapters.megatron_cpu import apply_cpu_shim, cpu_device_remap
+from adapters.model_port import LossFn, Metrics, MicroBatch, StateDict, TrainStepResult
+from core.model_config import TinyGPTConfig
 
-__all__ = ["LossFn", "MegatronGPTBackend", "MicroBatch", "StateDict", "TinyGPTConfig", "TrainStepResult"]
-
-MicroBatch = Mapping[str, torch.Tensor]
-"""One micro-batch: ``input_ids`` (LongTensor[B, S]), ``lengths`` (LongTensor[B]), plus any fields ``loss_fn`` reads."""
-Metrics = dict[str, float]
-LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Mapping[str, Any]]]
-"""``loss_fn(logprobs FloatTensor[B, S], micro_batch) -> (scalar loss, metrics)``; metrics are scalars."""
-StateDict = dict[str, torch.Tensor]
-TrainStepResult = dict[str, Any]
-"""``{"loss": float, "grad_norm": float, "metrics": list[Metrics]}`` (one ``Metrics`` per micro-batch)."""
+__all__ = ["MegatronGPTBackend"]
 
 _ORDER = "tp-cp-ep-dp-pp"
 _INIT_STD = 0.02
 _LAYER_PREFIX = "decoder.layers."
 _DEVICES = ("cpu", "cuda")
-
-
-def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"'{attribute.name}' must be int: got {type(value).__name__} ({value!r})")
-    if value < 1:
-        raise ValueError(f"'{attribute.name}' must be a positive int: got {value}")
-
-
-@attrs.frozen
-class TinyGPTConfig:
-    """Shape of the tiny GPT: learned absolute positions, LayerNorm, GELU MLP, untied output layer.
-
-    Raises:
-        TypeError: a size is not an int.
-        ValueError: a size is not positive, or ``hidden_size`` is not a multiple of ``num_attention_heads``.
-
-    Example:
-        >>> TinyGPTConfig(vocab_size=32, hidden_size=64, num_layers=2, num_attention_heads=4).ffn_hidden_size
-        256
-    """
-
-    vocab_size: int = attrs.field(default=32, validator=_positive_int)
-    hidden_size: int = attrs.field(default=64, validator=_positive_int)
-    num_layers: int = attrs.field(default=2, validator=_positive_int)
-    num_attention_heads: int = attrs.field(default=4, validator=_positive_int)
-    max_sequence_length: int = attrs.field(default=64, validator=_positive_int)
-    ffn_hidden_size: int = attrs.field(
-        default=attrs.Factory(lambda self: 4 * self.hidden_size, takes_self=True), validator=_positive_int
-    )
-
-    def __attrs_post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"'hidden_size' must be a multiple of 'num_attention_heads' ({self.num_attention_heads}): "
-                f"got {self.hidden_size}"
-            )
 
 
 def _int_arg(name: str, value: Any) -> int:
@@ -149,7 +104,7 @@ def _init_full_parameter(seed: int, name: str, shape: torch.Size, num_layers: in
 
 
 class MegatronGPTBackend:
-    """A tiny-GPT policy (and frozen reference) on megatron-core with TP, PP and DP.
+    """A tiny-GPT policy (and frozen reference) on megatron-core with TP, PP and DP (a ``PolicyBackend``).
 
     Args:
         config: the model's shape.

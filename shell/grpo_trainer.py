@@ -45,10 +45,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 
-from adapters.megatron import TinyGPTConfig
 from adapters.rows import build_tensordict
 from adapters.store_port import DataPlaneClient
 from core.meta import KVBatchMeta
+from core.model_config import TinyGPTConfig
 from core.rollout_carry import AdvantagePlan, RolloutCarry, dapo_selection, group_count, plan_advantages
 from core.sharding import PackingSpec
 from core.task import Task

@@ -30,11 +30,11 @@ import attrs
 import torch
 from tensordict import TensorDict
 
-from adapters.megatron import TinyGPTConfig
 from adapters.rows import build_tensordict
 from adapters.store_port import DataPlaneClient
 from core.codec import is_jagged, to_jagged, to_padded
 from core.meta import KVBatchMeta
+from core.model_config import TinyGPTConfig
 from core.sharding import DynamicBatchingSpec, PackingSpec, global_pad_length, shard_meta_for_dp, shard_row_indices
 from core.topology import NamedSharding
 from shell.column_io import GLOBAL_FORWARD_PAD_SEQLEN, read_columns, write_columns

@@ -43,12 +43,13 @@ import ray
 import torch
 from tensordict import TensorDict
 
-from adapters.megatron import MegatronGPTBackend, TinyGPTConfig
+from adapters.model_port import PolicyBackend
 from adapters.rows import build_tensordict
 from adapters.store_port import DataPlaneClient
 from core.codec import Layout
 from core.frozen import FrozenDict, freeze
 from core.meta import KVBatchMeta
+from core.model_config import TinyGPTConfig
 from shell.column_io import read_columns, write_columns
 from shell.loss import PREV_LOGPROBS, REFERENCE_LOGPROBS
 from shell.worker_group import Worker
@@ -192,7 +193,7 @@ class PolicyWorker(Worker):
         self.config = config
         self._client_factory = client_factory
         self._client: DataPlaneClient | None = None
-        self._backend: MegatronGPTBackend | None = None
+        self._backend: PolicyBackend | None = None
 
     # ------------------------------------------------------------ set-up
 
@@ -206,7 +207,9 @@ class PolicyWorker(Worker):
         self._backend = self._build_backend()
         return self._backend.parallel_coords()
 
-    def _build_backend(self) -> MegatronGPTBackend:
+    def _build_backend(self) -> PolicyBackend:
+        from adapters.megatron import MegatronGPTBackend  # the one adapter behind the port: megatron loads here
+
         sharding = self.sharding
         return MegatronGPTBackend(
             self.config.model,
@@ -223,7 +226,7 @@ class PolicyWorker(Worker):
         self._backend = self._build_backend()
 
     @property
-    def backend(self) -> MegatronGPTBackend:
+    def backend(self) -> PolicyBackend:
         """The rank's backend.
 
         Raises:

@@ -25,10 +25,10 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from adapters.megatron import TinyGPTConfig
 from adapters.store_port import DataPlaneClient
 from adapters.transfer_queue import TransferQueueStore
 from core.meta import KVBatchMeta
+from core.model_config import TinyGPTConfig
 from core.sharding import DynamicBatchingSpec, PackingSpec
 from core.topology import NamedSharding
 from shell.column_io import first_write
