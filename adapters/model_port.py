@@ -61,15 +61,8 @@ class PolicyBackend(Protocol):
         ...
 
     def generate(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_lengths: torch.Tensor,
-        *,
-        max_new_tokens: int,
-        eos_id: int,
-        generator: torch.Generator,
-        temperature: float = 1.0,
-        vocab_limit: int | None = None,
+        self, prompt_ids: torch.Tensor, prompt_lengths: torch.Tensor, *, max_new_tokens: int, eos_id: int,
+        generator: torch.Generator, temperature: float = 1.0, vocab_limit: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample continuations of right-padded prompts: ``(sequences LongTensor[B, L], lengths LongTensor[B])``."""
         ...

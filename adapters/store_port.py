@@ -56,12 +56,7 @@ class DataPlaneClient(Protocol):
     """Synchronous store client. See the module docstring for the semantics."""
 
     def put(
-        self,
-        keys: Keys,
-        partition_id: str,
-        fields: TensorDict,
-        *,
-        tags: Tags | None = None,
+        self, keys: Keys, partition_id: str, fields: TensorDict, *, tags: Tags | None = None,
         sequence_lengths: SeqLens | None = None,
     ) -> KVBatchMeta:
         """Write ``fields`` (batch size ``len(keys)``) under ``keys``; return the receipt."""

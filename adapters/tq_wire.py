@@ -49,7 +49,7 @@ from adapters.rows import (
     read_columns_of,
     stack_column,
 )
-from adapters.store_port import Keys, SeqLens, Tags, missing_field_error, stored_meta, validate_put
+from adapters.store_port import missing_field_error, stored_meta
 from adapters.tq_mooncake import (
     from_zero_byte_placeholder,
     pad_jagged_rows,
@@ -188,17 +188,9 @@ class PutPlan:
     tag: SpecTag
 
 
-def plan_put(
-    keys: Keys,
-    partition_id: str,
-    fields: TensorDict,
-    *,
-    tags: Tags | None = None,
-    sequence_lengths: SeqLens | None = None,
-    reserved_tags: Tags | None = None,
-    pad_rows: bool = False,
-) -> PutPlan:
-    """Check a put completely (arguments, reserved tags, every column) and encode it for TQ.
+def plan_put(receipt: KVBatchMeta, fields: TensorDict, *, pad_rows: bool = False) -> PutPlan:
+    """Check the rest of a put whose arguments passed :func:`adapters.store_port.validate_put` (its
+    ``receipt``): TQ's reserved tag names and every column; then encode it for TQ.
 
     Tensor columns are checked whole (:func:`adapters.rows.column_spec`) and
     sent as they are: TQ serialises them before the put returns, so the
@@ -207,17 +199,13 @@ def plan_put(
     columns travel with one zero element appended to every row
     (:func:`adapters.tq_mooncake.pad_jagged_rows`), and a tensor column whose
     rows hold no bytes at all as its row lengths
-    (:func:`adapters.tq_mooncake.zero_byte_placeholder`). ``reserved_tags``
-    merge into ``tags`` as :func:`adapters.store_port.validate_put` merges them.
+    (:func:`adapters.tq_mooncake.zero_byte_placeholder`).
 
     Raises:
-        TypeError: see :func:`adapters.store_port.validate_put` and :func:`adapters.rows.column_spec`.
-        ValueError: see :func:`adapters.store_port.validate_put` and :func:`adapters.rows.column_spec`;
-            a tag uses a reserved name.
+        TypeError: a column is of an unsupported kind (see :func:`adapters.rows.column_spec`).
+        ValueError: a column does not fit (see :func:`adapters.rows.column_spec`); a tag
+            uses one of TQ's reserved names :data:`RESERVED_TAGS`.
     """
-    receipt = validate_put(
-        keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, reserved_tags=reserved_tags
-    )
     for i, tag in enumerate(receipt.tags or ()):
         reserved = sorted(RESERVED_TAGS.intersection(tag))
         if reserved:

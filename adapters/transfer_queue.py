@@ -64,6 +64,7 @@ from adapters.store_port import (
     validate_get,
     validate_keys,
     validate_partition,
+    validate_put,
     validate_tag_names,
 )
 from adapters.tq_system import Config, SystemHold, is_running
@@ -162,16 +163,16 @@ class TransferQueueStore(StorePuts):
         return self._hold.owns_transfer_queue
 
     def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags):
-        """Check the put completely (:func:`adapters.tq_wire.plan_put`), then write it (see
+        """Check the put completely (the port's checks, then :func:`adapters.tq_wire.plan_put`), then write it (see
         :class:`adapters.store_port.StorePuts`); a TQ failure chains TQ's error and clears the keys it registered.
 
         Besides the port's reserved tags, ``__kvspec__`` and ``__kvlen__`` are reserved here.
         """
         self._check_open()
-        plan = plan_put(
-            keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, reserved_tags=reserved_tags,
-            pad_rows=self._kv_backend,
+        receipt = validate_put(
+            keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, reserved_tags=reserved_tags
         )
+        plan = plan_put(receipt, fields, pad_rows=self._kv_backend)
         client = tq_system.client()
         meta = client.kv_retrieve_meta(keys=list(plan.receipt.keys), partition_id=partition_id, create=True)
         fresh = new_keys(plan, meta.custom_meta)
