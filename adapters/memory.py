@@ -79,7 +79,7 @@ class MemoryStore(StorePuts):
         return f"MemoryStore({state})"
 
     def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags):
-        """Copy every row into storage (see :class:`adapters.store_port.StorePuts` and :func:`adapters.rows.split_column`)."""
+        """Check, then copy every row into storage (see :class:`adapters.store_port.StorePuts`)."""
         self._check_open()
         receipt = validate_put(
             keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, reserved_tags=reserved_tags

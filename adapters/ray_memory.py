@@ -65,8 +65,10 @@ class MemoryStoreActor:
         """True once the actor is constructed (a call that waits for it)."""
         return True
 
-    def put(self, keys: Keys, partition_id: str, fields: TensorDict, tags: Tags | None, sequence_lengths: SeqLens | None,
-            reserved_tags: Tags | None) -> KVBatchMeta:
+    def put(
+        self, keys: Keys, partition_id: str, fields: TensorDict, tags: Tags | None, sequence_lengths: SeqLens | None,
+        reserved_tags: Tags | None,
+    ) -> KVBatchMeta:
         """:meth:`adapters.memory.MemoryStore.put`, or ``put_with_reserved_tags`` when ``reserved_tags`` is given."""
         if reserved_tags is None:
             return self._store.put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
@@ -211,15 +213,15 @@ class RayMemoryStore(StorePuts):
         return self._owns_actor
 
     def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags):
-        """Check the arguments and every column here, then send them to the actor (see :class:`adapters.store_port.StorePuts`)."""
+        """Check the arguments and every column here, then send them to the actor (see ``StorePuts``)."""
         self._check_open()
         receipt = validate_put(
             keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, reserved_tags=reserved_tags
         )
         for column, value in read_columns_of(fields).items():
             column_spec(column, value, len(receipt))
-        remote = self._handle.put.remote
-        return self._call(remote(receipt.keys, partition_id, fields.detach(), tags, receipt.sequence_lengths, reserved_tags))
+        lengths = receipt.sequence_lengths
+        return self._call(self._handle.put.remote(receipt.keys, partition_id, fields.detach(), tags, lengths, reserved_tags))
 
     def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
         """Read ``select_fields`` of ``keys``, in request order; see :meth:`adapters.memory.MemoryStore.get`.
