@@ -16,7 +16,7 @@ Invariants:
   * every layout (any TP, PP) built with the same ``seed`` starts from the same
     model: weights are drawn once per parameter of the *full* model (TP=1, PP=1
     names) from a generator seeded by ``(seed, name)``, then sliced to the
-    rank's shard; replicas (DP ranks) are identical;
+    rank's shard (:mod:`adapters.megatron_weights`); replicas (DP ranks) are identical;
   * :meth:`~MegatronGPTBackend.logprobs` returns the same ``[B, S]`` tensor on
     every rank of a replica; position 0 and positions at or past a row's length
     are 0, position ``t`` holds ``log p(x_t | x_<t)``;
@@ -46,13 +46,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -64,79 +62,16 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from adapters import megatron_weights as weights
 from adapters.megatron_cpu import apply_cpu_shim, cpu_device_remap
+from adapters.model_port import Generation, LossFn, Metrics, MicroBatch, StateDict, TrainStepResult
 from core.entropy import categorical_entropy
+from core.model_config import TinyGPTConfig
 
-__all__ = [
-    "Generation", "LossFn", "MegatronGPTBackend", "MicroBatch", "StateDict", "TinyGPTConfig", "TrainStepResult",
-]
-
-MicroBatch = Mapping[str, torch.Tensor]
-"""One micro-batch: ``input_ids`` (LongTensor[B, S]), ``lengths`` (LongTensor[B]), plus any fields ``loss_fn`` reads."""
-Metrics = dict[str, float]
-LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Mapping[str, Any]]]
-"""``loss_fn(logprobs FloatTensor[B, S], micro_batch) -> (scalar loss, metrics)``; metrics are scalars."""
-StateDict = dict[str, torch.Tensor]
-TrainStepResult = dict[str, Any]
-"""``{"loss": float, "grad_norm": float, "metrics": list[Metrics]}`` (one ``Metrics`` per micro-batch)."""
+__all__ = ["MegatronGPTBackend"]
 
 _ORDER = "tp-cp-ep-dp-pp"
-_INIT_STD = 0.02
-_LAYER_PREFIX = "decoder.layers."
 _DEVICES = ("cpu", "cuda")
-
-
-def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"'{attribute.name}' must be int: got {type(value).__name__} ({value!r})")
-    if value < 1:
-        raise ValueError(f"'{attribute.name}' must be a positive int: got {value}")
-
-
-@attrs.frozen
-class TinyGPTConfig:
-    """Shape of the tiny GPT: learned absolute positions, LayerNorm, GELU MLP, untied output layer.
-
-    Raises:
-        TypeError: a size is not an int.
-        ValueError: a size is not positive, or ``hidden_size`` is not a multiple of ``num_attention_heads``.
-
-    Example:
-        >>> TinyGPTConfig(vocab_size=32, hidden_size=64, num_layers=2, num_attention_heads=4).ffn_hidden_size
-        256
-    """
-
-    vocab_size: int = attrs.field(default=32, validator=_positive_int)
-    hidden_size: int = attrs.field(default=64, validator=_positive_int)
-    num_layers: int = attrs.field(default=2, validator=_positive_int)
-    num_attention_heads: int = attrs.field(default=4, validator=_positive_int)
-    max_sequence_length: int = attrs.field(default=64, validator=_positive_int)
-    ffn_hidden_size: int = attrs.field(
-        default=attrs.Factory(lambda self: 4 * self.hidden_size, takes_self=True), validator=_positive_int
-    )
-
-    def __attrs_post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"'hidden_size' must be a multiple of 'num_attention_heads' ({self.num_attention_heads}): "
-                f"got {self.hidden_size}"
-            )
-
-
-@attrs.frozen
-class Generation:
-    """What :meth:`MegatronGPTBackend.generate` returns.
-
-    Attributes:
-        sequences: LongTensor[B, L], each row its prompt then its response, 0 past its length.
-        lengths: LongTensor[B], prompt plus response tokens of each row (the EOS included).
-        entropy: DoubleTensor[B], per row the summed entropy (nats) of the distributions its
-            response tokens were drawn from (temperature applied, masked to ``vocab_limit``).
-    """
-
-    sequences: torch.Tensor
-    lengths: torch.Tensor
-    entropy: torch.Tensor
 
 
 def _int_arg(name: str, value: Any) -> int:
@@ -150,25 +85,8 @@ def _check_divides(name: str, size: int, what: str, total: int) -> None:
         raise ValueError(f"'{name}' ({size}) must divide {what}: got {what} = {total}")
 
 
-def _init_full_parameter(seed: int, name: str, shape: torch.Size, num_layers: int) -> torch.Tensor:
-    """Parameter ``name`` of the full model, drawn from a generator seeded by ``(seed, name)``.
-
-    megatron's init scheme: normal(0, 0.02) weights, output projections of each
-    layer scaled by ``1 / sqrt(2 * num_layers)``, zero biases, unit norm weights.
-    """
-    if name.endswith("layernorm.weight"):
-        return torch.ones(shape)
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
-    generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
-    std = _INIT_STD
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        std = _INIT_STD / math.sqrt(2.0 * num_layers)
-    return torch.randn(shape, generator=generator) * std
-
-
 class MegatronGPTBackend:
-    """A tiny-GPT policy (and frozen reference) on megatron-core with TP, PP and DP.
+    """A tiny-GPT policy (and frozen reference) on megatron-core with TP, PP and DP (a ``PolicyBackend``).
 
     Args:
         config: the model's shape.
@@ -263,8 +181,8 @@ class MegatronGPTBackend:
         if self.device.type == "cuda":
             model_parallel_cuda_manual_seed(self.seed)
         initial = self._build_model(self._transformer_config_for(config, tp, pp))
-        self._full_names = self._canonical_names(initial)
-        self._load_full(initial, self._initial_state())
+        self._full_names = weights.canonical_names(initial, tp, pp, self._pp_group)
+        weights.load_full(initial, weights.initial_state(self.seed, self._full_names, config.num_layers), tp)
         self._reference = self._build_model(self._transformer_config_for(config, tp, pp))
         self._reference.load_state_dict(initial.state_dict())
         self._reference.requires_grad_(False)
@@ -347,64 +265,10 @@ class MegatronGPTBackend:
         )
         return model.to(self.device)
 
-    def _global_name(self, model: GPTModel, local: str) -> str:
-        """``local`` under full-model (PP=1) names: layer indices made global."""
-        if not local.startswith(_LAYER_PREFIX):
-            return local
-        index, rest = local[len(_LAYER_PREFIX) :].split(".", 1)
-        layer = model.decoder.layers[int(index)]
-        return f"{_LAYER_PREFIX}{layer.layer_number - 1}.{rest}"
-
-    def _full_shape(self, param: torch.Tensor) -> torch.Size:
-        shape = list(param.shape)
-        if getattr(param, "tensor_model_parallel", False):
-            shape[param.partition_dim] *= self.tensor_parallel
-        return torch.Size(shape)
-
-    def _canonical_names(self, model: GPTModel) -> dict[str, torch.Size]:
-        """Full-model parameter name -> full shape, gathered over the pipeline stages."""
-        local = {self._global_name(model, n): self._full_shape(p) for n, p in model.named_parameters()}
-        stages: list[Any] = [None] * self.pipeline_parallel
-        dist.all_gather_object(stages, local, group=self._pp_group)
-        names: dict[str, torch.Size] = {}
-        for stage in stages:
-            names.update(stage)
-        return names
-
-    def _initial_state(self) -> StateDict:
-        return {
-            name: _init_full_parameter(self.seed, name, shape, self.config.num_layers)
-            for name, shape in sorted(self._full_names.items())
-        }
-
-    # -- state ---------------------------------------------------------------------------------------
-
-    def _load_full(self, model: GPTModel, state: Mapping[str, torch.Tensor]) -> None:
-        """Copy this rank's slice of the full-model ``state`` into ``model``."""
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        with torch.no_grad():
-            for local, param in model.named_parameters():
-                full = state[self._global_name(model, local)]
-                if getattr(param, "tensor_model_parallel", False):
-                    full = full.chunk(self.tensor_parallel, dim=param.partition_dim)[tp_rank]
-                param.copy_(full.to(param.device))
+    # -- state (layout-free: see adapters.megatron_weights) ------------------------------------------
 
     def _gather_full(self, model: GPTModel) -> StateDict:
-        """The full-model state: TP shards concatenated, stages merged; CPU tensors, on every rank."""
-        local: StateDict = {}
-        for name, param in model.named_parameters():
-            value = param.detach()
-            if getattr(param, "tensor_model_parallel", False) and self.tensor_parallel > 1:
-                shards = [torch.empty_like(value) for _ in range(self.tensor_parallel)]
-                dist.all_gather(shards, value.contiguous(), group=self._tp_group)
-                value = torch.cat(shards, dim=param.partition_dim)
-            local[self._global_name(model, name)] = value.cpu().clone()
-        stages: list[Any] = [None] * self.pipeline_parallel
-        dist.all_gather_object(stages, local, group=self._pp_group)
-        full: StateDict = {}
-        for stage in stages:
-            full.update(stage)
-        return dict(sorted(full.items()))
+        return weights.gather_full(model, self.tensor_parallel, self.pipeline_parallel, self._tp_group, self._pp_group)
 
     def state_dict(self) -> StateDict:
         """The policy's full weights under TP=1, PP=1 names (CPU tensors), the same on every rank.
@@ -426,23 +290,9 @@ class MegatronGPTBackend:
             TypeError: ``state`` is not a mapping of tensors.
             ValueError: a key is missing or unknown, or a tensor has the wrong shape.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"'state' must be a mapping of name -> tensor: got {type(state).__name__}")
-        missing = sorted(set(self._full_names) - set(state))
-        unknown = sorted(set(state) - set(self._full_names))
-        if missing or unknown:
-            raise ValueError(
-                f"'state' must have exactly the model's {len(self._full_names)} keys: "
-                f"missing {missing}, unknown {unknown}"
-            )
-        for name, shape in self._full_names.items():
-            value = state[name]
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"'state[{name!r}]' must be a tensor: got {type(value).__name__}")
-            if value.shape != shape:
-                raise ValueError(f"'state[{name!r}]' must have shape {tuple(shape)}: got {tuple(value.shape)}")
+        weights.check_full_state(state, self._full_names)
         with self._device_scope():
-            self._load_full(self._policy.module, state)
+            weights.load_full(self._policy.module, state, self.tensor_parallel)
 
     # -- batches -------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ call to it. :meth:`RayMemoryStore.start` creates the actor and owns it;
 and never stops it, so ``functools.partial(RayMemoryStore.attach, store.name)``
 is a picklable client factory for workers.
 
-Invariants (the port's semantics, see :mod:`shell.dataplane`, checked by
+Invariants (the port's semantics, see :mod:`adapters.store_port`, checked by
 ``tests/e2e/test_store_contract.py``):
   * the semantics are exactly ``MemoryStore``'s: shape-faithful round trips
     (Ray pickles the TensorDicts both ways, object columns included), all or
@@ -43,8 +43,8 @@ from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
 from adapters.rows import column_spec, read_columns_of
+from adapters.store_port import Keys, SeqLens, StorePuts, Tags, validate_get, validate_put, validate_tag_names
 from core.meta import KVBatchMeta
-from shell.dataplane import Keys, SeqLens, Tags, validate_get, validate_put, validate_tag_names
 
 NAMESPACE = "rl-dataplane-memory"
 """The Ray namespace the store actors are named in (any driver of the cluster finds them there)."""
@@ -66,16 +66,15 @@ class MemoryStoreActor:
         return True
 
     def put(
-        self,
-        keys: Keys,
-        partition_id: str,
-        fields: TensorDict,
-        *,
-        tags: Tags | None = None,
-        sequence_lengths: SeqLens | None = None,
+        self, keys: Keys, partition_id: str, fields: TensorDict, tags: Tags | None, sequence_lengths: SeqLens | None,
+        reserved_tags: Tags | None,
     ) -> KVBatchMeta:
-        """See :meth:`adapters.memory.MemoryStore.put`."""
-        return self._store.put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+        """:meth:`adapters.memory.MemoryStore.put`, or ``put_with_reserved_tags`` when ``reserved_tags`` is given."""
+        if reserved_tags is None:
+            return self._store.put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+        return self._store.put_with_reserved_tags(
+            keys, partition_id, fields, reserved_tags=reserved_tags, tags=tags, sequence_lengths=sequence_lengths
+        )
 
     def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
         """See :meth:`adapters.memory.MemoryStore.get`."""
@@ -118,8 +117,8 @@ def is_running(name: str) -> bool:
     return True
 
 
-class RayMemoryStore:
-    """A :class:`shell.dataplane.DataPlaneClient` over a :class:`MemoryStoreActor`; thread-safe.
+class RayMemoryStore(StorePuts):
+    """A :class:`adapters.store_port.DataPlaneClient` over a :class:`MemoryStoreActor`; thread-safe.
 
     Build one with :meth:`start` (creates and owns the actor) or :meth:`attach`
     (joins it by name); the constructor only records the handle and ownership.
@@ -213,42 +212,16 @@ class RayMemoryStore:
         """Whether ``close()`` kills the actor."""
         return self._owns_actor
 
-    def put(
-        self,
-        keys: Keys,
-        partition_id: str,
-        fields: TensorDict,
-        *,
-        tags: Tags | None = None,
-        sequence_lengths: SeqLens | None = None,
-    ) -> KVBatchMeta:
-        """Write ``fields`` under ``keys``; see :meth:`adapters.memory.MemoryStore.put`.
-
-        Arguments and every column are checked here before anything is sent.
-
-        Returns:
-            The receipt of :func:`shell.dataplane.validate_put`.
-
-        Raises:
-            RuntimeError: the client is closed, or the actor is gone.
-            TypeError: ``fields`` is not a TensorDict, or a column is of an
-                unsupported kind (see :func:`adapters.rows.column_spec`).
-            ValueError: keys repeat or are empty; the batch size differs from
-                the key count; tags or lengths are not 1:1 with keys.
-        """
+    def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags):
+        """Check the arguments and every column here, then send them to the actor (see ``StorePuts``)."""
         self._check_open()
-        receipt = validate_put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+        receipt = validate_put(
+            keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, reserved_tags=reserved_tags
+        )
         for column, value in read_columns_of(fields).items():
             column_spec(column, value, len(receipt))
-        return self._call(
-            self._handle.put.remote(
-                receipt.keys,
-                receipt.partition_id,
-                fields.detach(),
-                tags=receipt.tags,
-                sequence_lengths=receipt.sequence_lengths,
-            )
-        )
+        lengths = receipt.sequence_lengths
+        return self._call(self._handle.put.remote(receipt.keys, partition_id, fields.detach(), tags, lengths, reserved_tags))
 
     def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
         """Read ``select_fields`` of ``keys``, in request order; see :meth:`adapters.memory.MemoryStore.get`.

@@ -42,7 +42,7 @@ from core.sharding import PackingSpec
 from core.step_plan import TrainResult
 from core.task import Task
 from core.topology import NamedSharding
-from shell.dataplane import DataPlaneClient
+from adapters.store_port import DataPlaneClient
 from shell.loss import GRPOLoss
 from shell.metering import MeteredClient
 from shell.phases import PhaseTimer

@@ -39,14 +39,15 @@ import ray
 import torch
 from tensordict import TensorDict
 
-from adapters.megatron import MegatronGPTBackend, TinyGPTConfig
+from adapters.model_port import PolicyBackend
 from adapters.rows import build_tensordict
+from adapters.store_port import DataPlaneClient
 from core.codec import Layout
 from core.fields import INPUT_IDS, LENGTHS, PREV_LOGPROBS, REFERENCE_LOGPROBS
 from core.meta import KVBatchMeta
+from core.model_config import TinyGPTConfig
 from core.step_plan import micro_batch_spans
 from shell.column_io import read_columns, write_columns
-from shell.dataplane import DataPlaneClient
 from shell.rank_input import RankInput
 from shell.worker import Worker, on_all_ranks, sharded
 
@@ -142,7 +143,7 @@ class PolicyWorker(Worker):
         self.config = config
         self._client_factory = client_factory
         self._client: DataPlaneClient | None = None
-        self._backend: MegatronGPTBackend | None = None
+        self._backend: PolicyBackend | None = None
 
     # ------------------------------------------------------------ set-up
 
@@ -159,7 +160,9 @@ class PolicyWorker(Worker):
             self._client = self._client_factory()
         return self._backend.parallel_coords()
 
-    def _build_backend(self) -> MegatronGPTBackend:
+    def _build_backend(self) -> PolicyBackend:
+        from adapters.megatron import MegatronGPTBackend  # the one adapter behind the port: megatron loads here
+
         sharding = self.sharding
         return MegatronGPTBackend(
             self.config.model,
@@ -177,7 +180,7 @@ class PolicyWorker(Worker):
         self._backend = self._build_backend()
 
     @property
-    def backend(self) -> MegatronGPTBackend:
+    def backend(self) -> PolicyBackend:
         """The rank's backend.
 
         Raises:

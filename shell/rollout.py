@@ -24,8 +24,9 @@ from typing import Any
 import attrs
 import torch
 
-from adapters.megatron import MegatronGPTBackend
+from adapters.model_port import PolicyBackend
 from adapters.rows import build_tensordict
+from adapters.store_port import DataPlaneClient
 from core.entropy import mean_token_entropy
 from core.fields import INPUT_IDS, LENGTHS, TOKEN_MASK
 from core.meta import KVBatchMeta
@@ -34,7 +35,6 @@ from core.rollout_carry import RolloutCarry
 from core.step_plan import LEGACY_PARTITION
 from core.task import EOS_ID, Prompt, Task
 from shell.column_io import first_write
-from shell.dataplane import DataPlaneClient
 from shell.policy_worker import client_io
 from shell.run_task import checked_rewards
 from shell.step_rows import StepRows
@@ -125,20 +125,23 @@ class RolloutWorker(Worker):
         self.config = config
         self._client_factory = client_factory
         self._client: DataPlaneClient | None = None
-        self._backend: MegatronGPTBackend | None = None
+        self._backend: PolicyBackend | None = None
 
     @on_all_ranks
     def setup(self) -> None:
         """Build the engine's model (the seed's initial weights) and, for the data plane, open the store client."""
         torch.set_num_threads(self.config.torch_threads)
-        self._backend = MegatronGPTBackend(
-            self.config.model, tensor_parallel=1, pipeline_parallel=1, seed=self.config.seed
-        )
+        self._backend = self._build_backend()
         if self._client_factory is not None:
             self._client = self._client_factory()
 
+    def _build_backend(self) -> PolicyBackend:
+        from adapters.megatron import MegatronGPTBackend  # the one adapter behind the port: megatron loads here
+
+        return MegatronGPTBackend(self.config.model, tensor_parallel=1, pipeline_parallel=1, seed=self.config.seed)
+
     @property
-    def backend(self) -> MegatronGPTBackend:
+    def backend(self) -> PolicyBackend:
         """The engine's model.
 
         Raises:

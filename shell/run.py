@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import signal
 import sys
@@ -102,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(stderr=True, soft_wrap=True)  # a message is one line, however long
     # megatron warns at import that optional fused kernels are absent; the local fallbacks are what we use.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed", category=UserWarning)
+    from adapters import tq_system
     from shell.grpo_trainer import GRPOTrainer, StepError  # heavy (megatron): after --help
     from shell.ray_cluster import check_address
     from shell.run_dir import CONFIG_FILE, METRICS_FILE, PROCESSES_FILE, SAMPLES_FILE, plan_run_dir, prepare_run_dir
@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = 0
     try:
         trainer.start(on_status=lambda message: console.print(f"  {message}", highlight=False))
-        _quiet_transfer_queue()
+        tq_system.quiet_logs()
         _write_processes(trainer, run_dir / PROCESSES_FILE)
         if checkpoint is not None:
             trainer.load_policy_state(checkpoint["weights"])
@@ -173,13 +173,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
     _plot(run_dir, console)
     return status
-
-
-def _quiet_transfer_queue() -> None:
-    """TransferQueue's client warns on every call that it caps its threads at the core count: keep errors only."""
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("transfer_queue"):
-            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _summary(error: BaseException) -> str:

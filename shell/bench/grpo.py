@@ -11,7 +11,6 @@ losses and grad norms must be bitwise equal between the paths.
 
 from __future__ import annotations
 
-import logging
 import os
 import statistics
 import time
@@ -58,13 +57,14 @@ def _median(records: Sequence[dict[str, Any]], key: str, warmup: int) -> float:
 def run(cfg: GrpoBenchConfig, report: Report) -> None:
     """Measure both paths into ``report`` (starts and stops its own Ray and TransferQueue)."""
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed", category=UserWarning)
-    logging.getLogger("transfer_queue").setLevel(logging.ERROR)
+    from adapters import tq_system
     from adapters.transfer_queue import TransferQueueStore
 
     if cfg.steps <= cfg.warmup:
         raise ValueError(f"'steps' must exceed 'warmup' ({cfg.warmup}): got {cfg.steps}")
     ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     store = TransferQueueStore.start()
+    tq_system.quiet_logs()
     report.start(total=2 * cfg.repeats, description="GRPO runs")
     results: dict[str, list[list[dict[str, Any]]]] = {"legacy": [], "data plane": []}
     started = time.perf_counter()

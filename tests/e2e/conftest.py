@@ -35,8 +35,8 @@ import ray
 from adapters.memory import MemoryStore
 from adapters.ray_memory import RayMemoryStore
 from adapters.ray_memory import is_running as ray_memory_is_running
+from adapters.store_port import DataPlaneClient
 from adapters.transfer_queue import TransferQueueStore, is_running
-from shell.dataplane import DataPlaneClient
 
 StoreFactory = Callable[[pytest.FixtureRequest], DataPlaneClient]
 

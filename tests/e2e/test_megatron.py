@@ -12,6 +12,7 @@ both.
 
 from __future__ import annotations
 
+import inspect
 import io
 import math
 import queue
@@ -27,8 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from adapters.megatron import Generation, MegatronGPTBackend, MicroBatch, TinyGPTConfig
+from adapters.megatron import MegatronGPTBackend
 from adapters.megatron_cpu import apply_cpu_shim, cpu_shim_applied
+from adapters.model_port import Generation, MicroBatch, PolicyBackend
+from core.model_config import TinyGPTConfig
 from core.topology import NamedSharding
 
 pytestmark = pytest.mark.e2e
@@ -334,18 +337,14 @@ def _grad_norms(steps: list[dict[str, Any]]) -> list[float]:
 # -- in-process checks (no process group) --------------------------------------------------------------
 
 
-def test_tiny_gpt_config_rejects_heads_not_dividing_hidden() -> None:
-    """hidden_size must split evenly over the attention heads."""
-    with pytest.raises(ValueError, match=r"'hidden_size' must be a multiple of 'num_attention_heads' \(5\): got 64"):
-        TinyGPTConfig(num_attention_heads=5)
-
-
-def test_tiny_gpt_config_rejects_non_int_sizes() -> None:
-    """Sizes are positive ints."""
-    with pytest.raises(TypeError, match=r"'vocab_size' must be int: got float"):
-        TinyGPTConfig(vocab_size=32.0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"'num_layers' must be a positive int: got 0"):
-        TinyGPTConfig(num_layers=0)
+def test_megatron_backend_implements_the_model_port() -> None:
+    """MegatronGPTBackend is a PolicyBackend: every method of the port, with the port's parameters."""
+    assert issubclass(MegatronGPTBackend, PolicyBackend)
+    members = [name for name in vars(PolicyBackend) if not name.startswith("_") and callable(getattr(PolicyBackend, name))]
+    assert {"logprobs", "reference_logprobs", "train_step", "state_dict", "load_state_dict", "generate"} <= set(members)
+    for name in members:
+        port = inspect.signature(getattr(PolicyBackend, name)).parameters
+        assert inspect.signature(getattr(MegatronGPTBackend, name)).parameters.keys() == port.keys(), name
 
 
 def test_backend_rejects_context_parallel() -> None:

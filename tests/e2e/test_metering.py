@@ -13,11 +13,11 @@ import torch
 from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
-from adapters.transfer_queue import TransferQueueStore
 from adapters.rows import columns_equal, read_columns_of
+from adapters.store_port import DataPlaneClient
+from adapters.transfer_queue import TransferQueueStore
 from core.codec import to_jagged
 from core.meta import KVBatchMeta
-from shell.dataplane import DataPlaneClient
 from shell.metering import DIGEST_PREFIX, DataPlaneEvent, IntegrityError, MeteredClient
 
 LENGTHS = [5, 0, 3, 7]
@@ -49,6 +49,9 @@ class FaultyStore:
 
     def put(self, keys: Sequence[str], partition_id: str, fields: TensorDict, **kw: object) -> KVBatchMeta:
         return self.inner.put(keys, partition_id, fields, **kw)  # type: ignore[arg-type]
+
+    def put_with_reserved_tags(self, keys: Sequence[str], partition_id: str, fields: TensorDict, **kw: object) -> KVBatchMeta:
+        return self.inner.put_with_reserved_tags(keys, partition_id, fields, **kw)  # type: ignore[attr-defined]
 
     def get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
         out = self.inner.get(keys, partition_id, select_fields)
@@ -228,6 +231,35 @@ def test_metered_client_rejects_reserved_tag_names_and_bad_tags() -> None:
     with pytest.raises(TypeError, match="'tags' entries must be mappings: got int at index 0"):
         client.put(KEYS, "p", _batch(), tags=[1, 2, 3, 4])  # type: ignore[list-item]
     assert client.list_keys("p") == ()
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "plain"])
+def test_metered_client_rejects_forged_digests_on_every_adapter(store: DataPlaneClient, partition: str, verify: bool) -> None:
+    """On every adapter a put whose tags carry a digest name raises and writes nothing; real digests still verify."""
+    client = MeteredClient(store, verify_integrity=verify)
+    forged = [{DIGEST_PREFIX + "reward": 0} for _ in KEYS]
+    with pytest.raises(ValueError, match=r"tag names starting with '__digest__\.' are reserved .* at index 0"):
+        client.put(KEYS, partition, _batch(), tags=forged)
+    with pytest.raises(ValueError, match=r"tag names starting with '__digest__\.' are reserved"):
+        store.put(KEYS, partition, _batch(), tags=forged)  # the adapter itself, unwrapped
+    assert store.list_keys(partition) == ()
+    client.put(KEYS, partition, _batch(), tags=[{"uid": i} for i in range(len(KEYS))])
+    if verify:
+        got = read_columns_of(client.get(KEYS, partition, ["input_ids", "prompt"]))
+        assert columns_equal(got["input_ids"], _batch()["input_ids"])
+    assert [dict(t) for t in client.describe(KEYS, partition).tags] == [{"uid": i} for i in range(len(KEYS))]
+    client.clear(KEYS, partition)
+
+
+def test_metered_client_verifying_needs_a_reserved_tag_put() -> None:
+    """Verifying integrity over a client that cannot write the digest tags is refused up front."""
+
+    class PlainStore(FaultyStore):
+        put_with_reserved_tags = None  # type: ignore[assignment]
+
+    with pytest.raises(TypeError, match=r"'inner' must be able to write the reserved digest tags .* got PlainStore"):
+        MeteredClient(PlainStore(MemoryStore(), "x", lambda j: j), verify_integrity=True)  # type: ignore[arg-type]
+    MeteredClient(PlainStore(MemoryStore(), "x", lambda j: j))  # metering alone needs no such put
 
 
 def test_metered_client_counts_calls_keys_bytes_and_outstanding() -> None:

@@ -25,6 +25,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from adapters.store_port import DataPlaneClient
 from adapters.transfer_queue import TransferQueueStore
 from core.fields import PREV_LOGPROBS, REFERENCE_LOGPROBS
 from core.meta import KVBatchMeta
@@ -33,7 +34,6 @@ from core.sharding import DynamicBatchingSpec, PackingSpec
 from core.step_plan import legacy_meta
 from core.topology import NamedSharding
 from shell.column_io import first_write
-from shell.dataplane import DataPlaneClient
 from shell.loss import GRPOLoss
 from shell.policy import Policy, PolicyConfig, build_group
 from shell.policy_worker import PolicyWorker

@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
+from adapters.store_port import DataPlaneClient
 from adapters.transfer_queue import TransferQueueStore
 from core.codec import is_jagged
 from core.fields import GLOBAL_FORWARD_PAD_SEQLEN, MICRO_BATCH_INDICES, is_token_field
@@ -40,7 +41,6 @@ from core.sharding import DynamicBatchingSpec, PackingSpec
 from core.step_plan import legacy_meta, micro_batch_spans, shard_step, stamp_step
 from core.topology import NamedSharding
 from shell.column_io import first_write
-from shell.dataplane import DataPlaneClient
 from shell.loss import GRPOLoss
 from shell.policy import PolicyConfig
 from shell.policy_worker import fetch_rank_batch

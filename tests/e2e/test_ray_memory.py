@@ -31,8 +31,8 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from adapters.memory import MemoryStore
 from adapters.ray_memory import RayMemoryStore, is_running
 from adapters.rows import columns_equal
+from adapters.store_port import DataPlaneClient
 from core.codec import jagged_lengths, to_jagged
-from shell.dataplane import DataPlaneClient
 from tests.e2e.conftest import ROOT
 
 pytestmark = pytest.mark.e2e

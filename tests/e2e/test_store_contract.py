@@ -1,12 +1,10 @@
-"""The data-plane contract (``shell/dataplane.py``), run against every adapter through the ``store`` fixture.
+"""The data-plane contract (``adapters/store_port.py``), run against every adapter through the ``store`` fixture.
 
-Every test here holds for each entry of ``STORE_FACTORIES``; the async tests at
-the end cover ``AsyncMemoryStore``.
+Every test here holds for each entry of ``STORE_FACTORIES``.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import numpy as np
@@ -14,10 +12,9 @@ import pytest
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from adapters.memory import AsyncMemoryStore, MemoryStore
 from adapters.rows import columns_equal
+from adapters.store_port import DataPlaneClient, ReservedTagPutClient, TaggedGetClient
 from core.codec import jagged_lengths, to_jagged
-from shell.dataplane import AsyncDataPlaneClient, DataPlaneClient, TaggedGetClient
 
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -331,6 +328,13 @@ def test_get_rejects_bad_arguments(store: DataPlaneClient, partition: str) -> No
         (["a", "new"], _ids(3), {}, ValueError, r"'fields' batch size must equal the key count 2: got 3"),
         (["a", "new"], _ids(2), {"tags": [{}]}, ValueError, r"'tags' must have 2 entries \(one per key\): got 1"),
         (["a", "new"], _ids(2), {"sequence_lengths": [1, 2, 3]}, ValueError, r"'sequence_lengths' must have 2 entries"),
+        (
+            ["a", "new"],
+            _ids(2),
+            {"tags": [{}, {"uid": 1, "__digest__.x": 5}]},
+            ValueError,
+            r"tag names starting with '__digest__\.' are reserved for integrity digests: got \['__digest__\.x'\] at index 1",
+        ),
         (["a", "new"], {"x": torch.zeros(2)}, {}, TypeError, r"'fields' must be a TensorDict"),
         (
             ["a", "new"],
@@ -340,7 +344,15 @@ def test_get_rejects_bad_arguments(store: DataPlaneClient, partition: str) -> No
             r"field 'bad' must hold one value per row",
         ),
     ],
-    ids=["duplicate-keys", "batch-mismatch", "tags-not-1to1", "lengths-not-1to1", "not-a-tensordict", "unsupported-column"],
+    ids=[
+        "duplicate-keys",
+        "batch-mismatch",
+        "tags-not-1to1",
+        "lengths-not-1to1",
+        "reserved-tag",
+        "not-a-tensordict",
+        "unsupported-column",
+    ],
 )
 def test_put_rejected_writes_nothing(
     store: DataPlaneClient,
@@ -359,6 +371,26 @@ def test_put_rejected_writes_nothing(
     got = store.get(["a"], partition, ["x"])
     assert list(got.keys()) == ["x"] and got["x"].tolist() == [7]
     assert store.describe(["a"], partition).tags == ({"r": 1},)  # type: ignore[attr-defined]
+
+
+def test_put_with_reserved_tags_writes_them_and_rejects_others(store: DataPlaneClient, partition: str) -> None:
+    """put_with_reserved_tags merges reserved tags into the user tags; a non-reserved or unmatched one writes nothing."""
+    assert isinstance(store, ReservedTagPutClient)
+    reserved = [{"__digest__.x": 11}, {"__digest__.x": -2}]
+    receipt = store.put_with_reserved_tags(["a", "b"], partition, _ids(2), reserved_tags=reserved, tags=[{"r": 1}, {}])
+    assert receipt.tags == ({"r": 1, "__digest__.x": 11}, {"__digest__.x": -2})
+    assert store.describe(["b", "a"], partition).tags == ({"__digest__.x": -2}, {"r": 1, "__digest__.x": 11})  # type: ignore[attr-defined]
+    _, tags = store.get_with_tags(["a", "b"], partition, ["x"], ["__digest__.x"])  # type: ignore[attr-defined]
+    assert tags == ({"__digest__.x": 11}, {"__digest__.x": -2})
+    with pytest.raises(ValueError, match=r"'reserved_tags' names must start with '__digest__\.': got \['r'\] at index 0"):
+        store.put_with_reserved_tags(["a", "new"], partition, _ids(2, 5), reserved_tags=[{"r": 2}, {}])
+    with pytest.raises(ValueError, match=r"'reserved_tags' must have 2 entries \(one per key\): got 1"):
+        store.put_with_reserved_tags(["a", "new"], partition, _ids(2, 5), reserved_tags=[{}])
+    with pytest.raises(ValueError, match=r"tag names starting with '__digest__\.' are reserved .* at index 0"):
+        store.put_with_reserved_tags(["a", "new"], partition, _ids(2, 5), reserved_tags=[{}, {}], tags=[{"__digest__.x": 0}, {}])
+    assert store.list_keys(partition) == ("a", "b")
+    assert store.get(["a"], partition, ["x"])["x"].tolist() == [0]
+    assert store.describe(["a"], partition).tags == ({"r": 1, "__digest__.x": 11},)  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------- aliasing and lifecycle
@@ -410,51 +442,3 @@ def test_close_is_idempotent_and_later_calls_raise(store: DataPlaneClient, parti
         store.clear(["a"], partition)
     with pytest.raises(RuntimeError, match=r"is closed"):
         store.list_keys(partition)
-
-
-# ---------------------------------------------------------------- async form (memory store)
-
-
-def test_async_memory_store_follows_the_contract(partition: str) -> None:
-    """AsyncMemoryStore has the sync semantics: round trip, order, tags, exact clear, errors, close."""
-    store = MemoryStore().as_async()
-    assert isinstance(store, AsyncDataPlaneClient)
-    fields = _every_kind(3, [0, 2, 1])
-
-    async def scenario() -> None:
-        receipt = await store.put(["k1", "k11", "k2"], partition, fields, tags=[{"r": 1}, {}, {}])
-        assert receipt.fields == tuple(fields.keys())
-        got = await store.get(["k2", "k1"], partition, list(fields.keys()))
-        _assert_columns(got, fields, [2, 0])
-        assert (await store.describe(["k1"], partition)).tags == ({"r": 1},)
-        await store.clear(["k1"], partition)
-        assert await store.list_keys(partition) == ("k11", "k2")
-        with pytest.raises(KeyError, match=r"\['k1'\]"):
-            await store.get(["k1"], partition, ["texts"])
-        with pytest.raises(ValueError, match=r"'keys' must be unique"):
-            await store.put(["z", "z"], partition, _ids(2))
-        assert await store.list_keys(partition) == ("k11", "k2")
-        await store.close()
-        await store.close()
-        with pytest.raises(RuntimeError, match=r"is closed"):
-            await store.list_keys(partition)
-
-    asyncio.run(scenario())
-
-
-def test_async_memory_store_shares_storage_with_its_sync_store(partition: str) -> None:
-    """as_async() views the same storage: a sync put is visible to the async get, and close closes both."""
-    sync = MemoryStore()
-    store = sync.as_async()
-    assert store.sync is sync
-    sync.put(["a"], partition, _ids(1, offset=5))
-    assert asyncio.run(store.get(["a"], partition, ["x"]))["x"].tolist() == [5]
-    asyncio.run(store.close())
-    with pytest.raises(RuntimeError, match=r"MemoryStore is closed"):
-        sync.list_keys(partition)
-
-
-def test_async_memory_store_rejects_a_non_store() -> None:
-    """AsyncMemoryStore wraps only a MemoryStore."""
-    with pytest.raises(TypeError, match=r"'store' must be a MemoryStore: got dict"):
-        AsyncMemoryStore({})  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""``TransferQueueStore`` beyond the shared contract: lifecycle, a second process, TQ quirks, wire format, async.
+"""``TransferQueueStore`` beyond the shared contract: lifecycle, a second process, TQ quirks, wire format.
 
 The contract itself (``test_store_contract.py``, ``test_store_roundtrip.py``)
 runs against this adapter through the ``store`` fixture. Here: start/attach
@@ -12,8 +12,8 @@ Ray.
 
 from __future__ import annotations
 
-import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -27,28 +27,20 @@ import transfer_queue as tq
 from hypothesis import given
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from adapters.memory import MemoryStore
 from adapters.rows import ColumnSpec, columns_equal, stack_column
-from adapters.transfer_queue import (
-    AsyncTransferQueueStore,
-    TransferQueueStore,
+from adapters.tq_mooncake import from_zero_byte_placeholder, pad_jagged_rows, unpad_jagged_rows, zero_byte_placeholder
+from adapters.tq_system import known_backends, quiet_logs, resolve_config
+from adapters.tq_wire import (
     decode_column,
     field_set_groups,
-    from_zero_byte_placeholder,
-    is_running,
-    known_backends,
     merge_spec_tags,
-    pad_jagged_rows,
     parse_spec_tag,
     parse_wire_name,
-    resolve_config,
     spec_tag,
-    unpad_jagged_rows,
     wire_name,
-    zero_byte_placeholder,
 )
+from adapters.transfer_queue import TransferQueueStore, is_running
 from core.codec import jagged_lengths, to_jagged
-from shell.dataplane import AsyncDataPlaneClient, DataPlaneClient
 from tests.e2e.conftest import ROOT, TQ_BACKEND
 from tests.property.strategies import digest_columns
 
@@ -156,6 +148,20 @@ def test_resolve_config_rejects_unknown_backend_and_non_mappings() -> None:
         resolve_config({"backend": {"storage_backend": "No"}})
     with pytest.raises(TypeError, match=r"'config' must be a mapping of TransferQueue settings or None: got str"):
         resolve_config("SimpleStorage")  # type: ignore[arg-type]
+
+
+def test_quiet_logs_keeps_only_errors_of_every_transfer_queue_logger(tq_store_session: TransferQueueStore) -> None:
+    """quiet_logs raises every TransferQueue logger (their levels are set explicitly) to ERROR, and no other logger."""
+    names = [name for name in logging.root.manager.loggerDict if name.startswith("transfer_queue")]
+    other = logging.getLogger("tests.e2e.quiet_logs")
+    saved = {name: logging.getLogger(name).level for name in names}
+    try:
+        quiet_logs()
+        assert names and all(logging.getLogger(name).level == logging.ERROR for name in names)
+        assert other.level == logging.NOTSET
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def test_start_while_running_raises_runtime_error(tq_store_session: TransferQueueStore) -> None:
@@ -517,57 +523,9 @@ def test_rewrite_with_another_spec_leaves_the_old_wire_field_until_clear(
     store.close()
 
 
-# ---------------------------------------------------------------- async form
-
-
-def test_async_transfer_queue_store_follows_the_contract(tq_store_session: TransferQueueStore, partition: str) -> None:
-    """AsyncTransferQueueStore keeps the sync semantics (rows as MemoryStore's): order, tags, clear, errors, close."""
-    store = TransferQueueStore.attach().as_async()
-    assert isinstance(store, AsyncDataPlaneClient) and isinstance(store.sync, DataPlaneClient)
-    fields = _batch(3, [0, 2, 1])
-    reference = MemoryStore()
-    reference.put(["k1", "k11", "k2"], partition, fields)
-
-    async def scenario() -> None:
-        tags = [{"r": 1}, {}, {}]
-        receipt = await store.put(["k1", "k11", "k2"], partition, fields, tags=tags, sequence_lengths=[0, 2, 1])
-        assert receipt.fields == tuple(fields.keys())
-        got = await store.get(["k2", "k1"], partition, list(fields.keys()))
-        expected = reference.get(["k2", "k1"], partition, list(fields.keys()))
-        assert list(got.keys()) == list(expected.keys())
-        for name in fields.keys():
-            assert columns_equal(got.get(name), expected.get(name)), name
-        assert jagged_lengths(got["input_ids"]) == (1, 0)
-        described = await store.describe(["k1"], partition)
-        assert described.tags == ({"r": 1},) and described.sequence_lengths == (0,)
-        await store.clear(["k1"], partition)
-        assert await store.list_keys(partition) == ("k11", "k2")
-        with pytest.raises(KeyError, match=r"1 keys are not stored in partition .*\['k1'\]"):
-            await store.get(["k1", "k2"], partition, ["texts"])
-        with pytest.raises(KeyError, match=r"field 'nope' is missing"):
-            await store.get(["k2"], partition, ["nope"])
-        with pytest.raises(ValueError, match=r"'keys' must be unique"):
-            await store.put(["z", "z"], partition, TensorDict({"x": torch.zeros(2)}, batch_size=[2]))
-        assert await store.list_keys(partition) == ("k11", "k2")
-        await store.clear(["k11", "k2"], partition)
-        await store.close()
-        await store.close()
-        with pytest.raises(RuntimeError, match=r"is closed"):
-            await store.list_keys(partition)
-
-    asyncio.run(scenario())
-    assert is_running()
-
-
-def test_async_transfer_queue_store_rejects_a_non_store() -> None:
-    """AsyncTransferQueueStore wraps only a TransferQueueStore."""
-    with pytest.raises(TypeError, match=r"'store' must be a TransferQueueStore: got dict"):
-        AsyncTransferQueueStore({})  # type: ignore[arg-type]
-
-
 def test_start_with_mooncake_missing_fails_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a loadable 'mooncake' package, start() names the pip package to install and starts nothing."""
-    import adapters.transfer_queue as adapter
+    import adapters.tq_mooncake as adapter
 
     config = {"backend": {"storage_backend": "MooncakeStore"}}
     running = is_running()
