@@ -626,7 +626,7 @@ def test_transfer_queue_cpus_match_its_actors() -> None:
     from transfer_queue.controller import TransferQueueController
     from transfer_queue.storage.simple_storage import SimpleStorageUnit
 
-    from adapters.transfer_queue import resolve_config
+    from adapters.tq_system import resolve_config
 
     units = resolve_config().backend.SimpleStorage.num_data_storage_units
     controller = TransferQueueController._default_options["num_cpus"]
