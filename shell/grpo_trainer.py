@@ -368,7 +368,7 @@ class GRPOTrainer:
                     key_prefix=self.run_id + "-",
                 )
             batches.append(result)
-            self._transport.admit(result.rows, result.data_plane)
+            self._transport.admit(result.rows, result.store_io)
             keep: Sequence[int] = range(result.carry.size)
             if dapo:
                 with self.timer.phase("dapo"):

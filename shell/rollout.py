@@ -91,7 +91,7 @@ class RolloutResult:
         carry: per-row rewards, lengths, groups, question ids and truncation flags.
         rows: the batch's meta (keys, lengths, fields) and, on the legacy path,
             its bulk batch: ``input_ids`` [N, S], ``token_mask`` [N, S], ``lengths`` [N].
-        data_plane: the engine's store activity (``{"ms", "bytes"}``).
+        store_io: the engine's store activity (``{"ms", "bytes"}``; zeros on the legacy path).
         responses: the decoded response text of the first rows (for logging samples).
         entropy: per row, the summed entropy (nats) of the distributions its response tokens were drawn from.
         response_tokens: per row, the number of response tokens (the EOS included).
@@ -99,7 +99,7 @@ class RolloutResult:
 
     carry: RolloutCarry
     rows: StepRows
-    data_plane: Mapping[str, float]
+    store_io: Mapping[str, float]
     responses: tuple[str, ...]
     entropy: tuple[float, ...]
     response_tokens: tuple[int, ...]
@@ -245,10 +245,3 @@ class RolloutWorker(Worker):
             token_fields=ROLLOUT_TOKEN_FIELDS,
         )
         return RolloutResult(carry, StepRows(meta), client_io(self._client), text, entropy, response_tokens)
-
-    @on_all_ranks
-    def close_client(self) -> None:
-        """Close the store client (a no-op without one)."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
