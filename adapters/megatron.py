@@ -2,15 +2,12 @@
 
 One backend lives in each rank's process (e.g. a Ray policy worker); the caller
 has already initialised ``torch.distributed`` (gloo on CPU, NCCL on GPU). The
-backend lays megatron's model-parallel groups over that default group, builds a
-policy ``GPTModel`` (local layer spec, fp32, no dropout) wrapped in megatron's
-``DistributedDataParallel``, a frozen reference copy of the initial policy, and
-megatron's Adam.
-
-Rank layout: ``rank = ((pp * DP + dp) * CP + cp) * TP + tp`` (tensor parallel
-fastest, as :mod:`core.topology`). megatron's default order ``"tp-cp-ep-dp-pp"``
-lists axes fastest first and gives exactly this mapping (expert parallel is 1),
-so the backend passes it explicitly to pin the agreement.
+backend lays megatron's model-parallel groups over that default group and
+builds a policy ``GPTModel`` (:mod:`adapters.megatron_setup`, which also states
+the rank layout) wrapped in megatron's ``DistributedDataParallel``, a frozen
+reference copy of the initial policy, and megatron's Adam. Batches are checked
+and scored by :mod:`adapters.megatron_batch`; sampling is
+:mod:`adapters.megatron_generate`.
 
 Invariants:
   * every layout (any TP, PP) built with the same ``seed`` starts from the same
@@ -45,7 +42,6 @@ only on GPU machines; the tests here run the CPU path.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
@@ -55,34 +51,22 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.transformer.transformer_config import TransformerConfig
 
+from adapters import megatron_setup as setup
 from adapters import megatron_weights as weights
+from adapters.megatron_batch import check_batch, logprobs_from_ce, stage_forward, to_device
 from adapters.megatron_cpu import apply_cpu_shim, cpu_device_remap
+from adapters.megatron_generate import sample
 from adapters.model_port import Generation, LossFn, Metrics, MicroBatch, StateDict, TrainStepResult
-from core.entropy import categorical_entropy
 from core.model_config import TinyGPTConfig
 
 __all__ = ["MegatronGPTBackend"]
 
-_ORDER = "tp-cp-ep-dp-pp"
 _DEVICES = ("cpu", "cuda")
-
-
-def _int_arg(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"'{name}' must be int: got {type(value).__name__} ({value!r})")
-    return value
-
-
-def _check_divides(name: str, size: int, what: str, total: int) -> None:
-    if total % size:
-        raise ValueError(f"'{name}' ({size}) must divide {what}: got {what} = {total}")
 
 
 class MegatronGPTBackend:
@@ -126,10 +110,10 @@ class MegatronGPTBackend:
     ) -> None:
         if not isinstance(config, TinyGPTConfig):
             raise TypeError(f"'config' must be TinyGPTConfig: got {type(config).__name__}")
-        tp = _int_arg("tensor_parallel", tensor_parallel)
-        pp = _int_arg("pipeline_parallel", pipeline_parallel)
-        cp = _int_arg("context_parallel", context_parallel)
-        seed = _int_arg("seed", seed)
+        tp = setup.int_arg("tensor_parallel", tensor_parallel)
+        pp = setup.int_arg("pipeline_parallel", pipeline_parallel)
+        cp = setup.int_arg("context_parallel", context_parallel)
+        seed = setup.int_arg("seed", seed)
         for name, size in (("tensor_parallel", tp), ("pipeline_parallel", pp)):
             if size < 1:
                 raise ValueError(f"'{name}' must be a positive int: got {size}")
@@ -144,15 +128,15 @@ class MegatronGPTBackend:
             raise TypeError(f"'learning_rate' must be float: got {type(learning_rate).__name__} ({learning_rate!r})")
         if not learning_rate > 0:
             raise ValueError(f"'learning_rate' must be positive: got {learning_rate!r}")
-        _check_divides("tensor_parallel", tp, "num_attention_heads", config.num_attention_heads)
-        _check_divides("tensor_parallel", tp, "vocab_size", config.vocab_size)
-        _check_divides("pipeline_parallel", pp, "num_layers", config.num_layers)
+        setup.check_divides("tensor_parallel", tp, "num_attention_heads", config.num_attention_heads)
+        setup.check_divides("tensor_parallel", tp, "vocab_size", config.vocab_size)
+        setup.check_divides("pipeline_parallel", pp, "num_layers", config.num_layers)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed must be initialised before MegatronGPTBackend: "
                 "call dist.init_process_group('gloo' or 'nccl', rank=..., world_size=...) first"
             )
-        _check_divides("tensor_parallel * pipeline_parallel", tp * pp, "the world size", dist.get_world_size())
+        setup.check_divides("tensor_parallel * pipeline_parallel", tp * pp, "the world size", dist.get_world_size())
 
         self.config = config
         self.seed = seed
@@ -162,7 +146,7 @@ class MegatronGPTBackend:
         if device == "cpu":
             apply_cpu_shim()
         with self._device_scope():
-            self._init_parallel_state(tp, pp)
+            setup.init_parallel_state(tp, pp)
             self._tp_group = parallel_state.get_tensor_model_parallel_group()
             self._pp_group = parallel_state.get_pipeline_model_parallel_group()
             self._pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
@@ -180,10 +164,10 @@ class MegatronGPTBackend:
         torch.manual_seed(self.seed)
         if self.device.type == "cuda":
             model_parallel_cuda_manual_seed(self.seed)
-        initial = self._build_model(self._transformer_config_for(config, tp, pp))
+        initial = setup.build_gpt(config, tp, pp, self.device)
         self._full_names = weights.canonical_names(initial, tp, pp, self._pp_group)
         weights.load_full(initial, weights.initial_state(self.seed, self._full_names, config.num_layers), tp)
-        self._reference = self._build_model(self._transformer_config_for(config, tp, pp))
+        self._reference = setup.build_gpt(config, tp, pp, self.device)
         self._reference.load_state_dict(initial.state_dict())
         self._reference.requires_grad_(False)
         self._reference.eval()
@@ -203,67 +187,7 @@ class MegatronGPTBackend:
 
     def parallel_coords(self) -> dict[str, int]:
         """This rank's coordinate on each axis of :data:`core.topology.AXES`, as megatron assigned it."""
-        return {
-            "pipeline_parallel": parallel_state.get_pipeline_model_parallel_rank(),
-            "data_parallel": parallel_state.get_data_parallel_rank(),
-            "context_parallel": parallel_state.get_context_parallel_rank(),
-            "tensor_parallel": parallel_state.get_tensor_model_parallel_rank(),
-        }
-
-    # -- set-up --------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _init_parallel_state(tp: int, pp: int) -> None:
-        if parallel_state.model_parallel_is_initialized():
-            got = (
-                parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size(),
-            )
-            if got != (tp, pp):
-                raise RuntimeError(
-                    f"megatron's model-parallel state is already set up with (tensor_parallel, pipeline_parallel) "
-                    f"= {got}: expected ({tp}, {pp}); call parallel_state.destroy_model_parallel() first"
-                )
-            return
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order=_ORDER
-        )
-
-    @staticmethod
-    def _transformer_config_for(config: TinyGPTConfig, tp: int, pp: int) -> TransformerConfig:
-        """megatron's config for one model; the policy's also carries its DDP hooks, so each model gets its own."""
-        return TransformerConfig(
-            num_layers=config.num_layers,
-            hidden_size=config.hidden_size,
-            num_attention_heads=config.num_attention_heads,
-            ffn_hidden_size=config.ffn_hidden_size,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            params_dtype=torch.float32,
-            pipeline_dtype=torch.float32,
-            # Weights are drawn on CPU (then replaced by the layout-free initial state).
-            use_cpu_initialization=True,
-            # Micro-batches may differ in shape: pipeline stages exchange each one's shape first.
-            variable_seq_lengths=True,
-            # Unused (no MoE); megatron rejects its default "allgather" with variable lengths.
-            moe_token_dispatcher_type="alltoall",
-        )
-
-    def _build_model(self, transformer_config: TransformerConfig) -> GPTModel:
-        model = GPTModel(
-            config=transformer_config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=self.config.vocab_size,
-            max_sequence_length=self.config.max_sequence_length,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=self._is_last_stage,
-            parallel_output=True,
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="learned_absolute",
-        )
-        return model.to(self.device)
+        return setup.parallel_coords()
 
     # -- state (layout-free: see adapters.megatron_weights) ------------------------------------------
 
@@ -294,61 +218,7 @@ class MegatronGPTBackend:
         with self._device_scope():
             weights.load_full(self._policy.module, state, self.tensor_parallel)
 
-    # -- batches -------------------------------------------------------------------------------------
-
-    def _check_batch(self, input_ids: Any, lengths: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(input_ids, torch.Tensor):
-            raise TypeError(f"'{where}input_ids' must be a LongTensor[B, S]: got {type(input_ids).__name__}")
-        if input_ids.dtype != torch.long or input_ids.dim() != 2:
-            raise TypeError(
-                f"'{where}input_ids' must be a LongTensor[B, S]: "
-                f"got {input_ids.dtype} of shape {tuple(input_ids.shape)}"
-            )
-        batch, seq = input_ids.shape
-        if batch < 1:
-            raise ValueError(f"'{where}input_ids' must have at least one row: got shape {tuple(input_ids.shape)}")
-        if not 1 <= seq <= self.config.max_sequence_length:
-            raise ValueError(
-                f"'{where}input_ids' must have 1 to {self.config.max_sequence_length} positions: got {seq}"
-            )
-        if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
-            raise ValueError(
-                f"'{where}input_ids' must lie in [0, {self.config.vocab_size}): "
-                f"got values in [{int(input_ids.min())}, {int(input_ids.max())}]"
-            )
-        lengths = torch.as_tensor(lengths)
-        if lengths.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"'{where}lengths' must be an int tensor: got {lengths.dtype}")
-        if lengths.shape != (batch,):
-            raise ValueError(
-                f"'{where}lengths' must have shape ({batch},) (one per row): got {tuple(lengths.shape)}"
-            )
-        if lengths.min() < 1 or lengths.max() > seq:
-            raise ValueError(f"'{where}lengths' must lie in [1, {seq}]: got {lengths.tolist()}")
-        return input_ids, lengths.to(torch.long)
-
-    def _to_device(self, micro_batch: MicroBatch) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in micro_batch.items()}
-
-    @staticmethod
-    def _forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Stage output: hidden states, or on the last stage per-token cross entropy ``[B, S]``.
-
-        Labels are the inputs shifted left, so ``out[:, t]`` is ``-log p(x_{t+1} | x_<=t)``;
-        the wrapped-around last label only touches ``out[:, -1]``, which is dropped.
-        """
-        input_ids = batch["input_ids"]
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        labels = torch.roll(input_ids, shifts=-1, dims=1)
-        return model(input_ids, positions, None, labels=labels)
-
-    @staticmethod
-    def _logprobs_from_ce(cross_entropy: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Per-token log-probs ``[B, S]`` from next-token cross entropy; 0 at position 0 and past each length."""
-        logprobs = torch.nn.functional.pad(-cross_entropy[:, :-1], (1, 0))
-        positions = torch.arange(logprobs.shape[1], device=logprobs.device)
-        valid = (positions >= 1) & (positions < lengths.to(logprobs.device)[:, None])
-        return torch.where(valid, logprobs, torch.zeros_like(logprobs))
+    # -- the schedule --------------------------------------------------------------------------------
 
     def _run(
         self,
@@ -363,7 +233,7 @@ class MegatronGPTBackend:
 
         def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], module: torch.nn.Module) -> Any:
             batch = next(data_iterator)
-            return self._forward(module, batch), partial(loss_func, batch)
+            return stage_forward(module, batch), partial(loss_func, batch)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -388,11 +258,11 @@ class MegatronGPTBackend:
         return torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else None
 
     def _logprobs(self, model: torch.nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        input_ids, lengths = self._check_batch(input_ids, lengths, "")
-        batch = self._to_device({"input_ids": input_ids, "lengths": lengths})
+        input_ids, lengths = check_batch(self.config, input_ids, lengths, "")
+        batch = to_device({"input_ids": input_ids, "lengths": lengths}, self.device)
 
         def collect(micro_batch: dict[str, torch.Tensor], output: torch.Tensor, non_loss_data: bool = False) -> Any:
-            return self._logprobs_from_ce(output, micro_batch["lengths"]).detach()
+            return logprobs_from_ce(output, micro_batch["lengths"]).detach()
 
         was_training = model.training
         model.eval()
@@ -478,52 +348,12 @@ class MegatronGPTBackend:
                 "'generate' needs tensor_parallel = pipeline_parallel = 1 (the rollout engine is one rank): "
                 f"got ({self.tensor_parallel}, {self.pipeline_parallel})"
             )
-        max_new_tokens = _int_arg("max_new_tokens", max_new_tokens)
-        if max_new_tokens < 1:
-            raise ValueError(f"'max_new_tokens' must be >= 1: got {max_new_tokens}")
-        if not (isinstance(temperature, (int, float)) and temperature > 0):
-            raise ValueError(f"'temperature' must be a number > 0: got {temperature!r}")
-        if vocab_limit is not None and not 1 <= _int_arg("vocab_limit", vocab_limit) <= self.config.vocab_size:
-            raise ValueError(f"'vocab_limit' must be in [1, {self.config.vocab_size}]: got {vocab_limit}")
-        prompt_ids, prompt_lengths = self._check_batch(prompt_ids, prompt_lengths, "prompt ")
-        width = prompt_ids.shape[1] + max_new_tokens
-        if width > self.config.max_sequence_length:
-            raise ValueError(
-                f"'max_new_tokens' ({max_new_tokens}) plus the prompt width ({prompt_ids.shape[1]}) must be at most "
-                f"max_sequence_length = {self.config.max_sequence_length}: got {width}"
+        with self._device_scope():
+            return sample(
+                self._policy.module, self.config, prompt_ids, prompt_lengths, device=self.device,
+                max_new_tokens=max_new_tokens, eos_id=eos_id, generator=generator,
+                temperature=temperature, vocab_limit=vocab_limit,
             )
-        rows = prompt_ids.shape[0]
-        sequences = torch.zeros(rows, width, dtype=torch.long)
-        sequences[:, : prompt_ids.shape[1]] = prompt_ids
-        lengths = prompt_lengths.clone()
-        done = torch.zeros(rows, dtype=torch.bool)
-        entropy = torch.zeros(rows, dtype=torch.float64)
-        index = torch.arange(rows)
-        model = self._policy.module
-        was_training = model.training
-        model.eval()
-        try:
-            with self._device_scope(), torch.no_grad():
-                for _ in range(max_new_tokens):
-                    span = int(lengths.max())
-                    tokens = sequences[:, :span].to(self.device)
-                    positions = torch.arange(span, device=self.device).expand_as(tokens)
-                    logits = model(tokens, positions, None)  # [B, span, V]
-                    last = logits[index, lengths - 1].float().cpu() / temperature
-                    if vocab_limit is not None:
-                        last[:, vocab_limit:] = -math.inf
-                    probs = torch.softmax(last, dim=-1)
-                    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-                    live = ~done
-                    entropy += torch.where(live, categorical_entropy(last).double(), 0.0)
-                    sequences[index[live], lengths[live]] = drawn[live]
-                    lengths = lengths + live.long()
-                    done = done | (live & (drawn == eos_id))
-                    if bool(done.all()):
-                        break
-        finally:
-            model.train(was_training)
-        return Generation(sequences[:, : int(lengths.max())], lengths, entropy)
 
     # -- training ------------------------------------------------------------------------------------
 
@@ -565,13 +395,13 @@ class MegatronGPTBackend:
             if not isinstance(micro_batch, Mapping) or "input_ids" not in micro_batch or "lengths" not in micro_batch:
                 got = sorted(micro_batch) if isinstance(micro_batch, Mapping) else type(micro_batch).__name__
                 raise ValueError(f"'micro_batches[{i}]' must map 'input_ids' and 'lengths' to tensors: got {got}")
-            input_ids, lengths = self._check_batch(
-                micro_batch["input_ids"], micro_batch["lengths"], f"micro_batches[{i}]."
+            input_ids, lengths = check_batch(
+                self.config, micro_batch["input_ids"], micro_batch["lengths"], f"micro_batches[{i}]."
             )
-            batches.append(self._to_device({**micro_batch, "input_ids": input_ids, "lengths": lengths}))
+            batches.append(to_device({**micro_batch, "input_ids": input_ids, "lengths": lengths}, self.device))
 
         def loss_func(micro_batch: dict[str, torch.Tensor], output: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
-            logprobs = self._logprobs_from_ce(output, micro_batch["lengths"])
+            logprobs = logprobs_from_ce(output, micro_batch["lengths"])
             result = loss_fn(logprobs, micro_batch)
             if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
                 raise TypeError(f"'loss_fn' must return (scalar loss, metrics dict): got {type(result).__name__}")

@@ -35,7 +35,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from shell.run_config import ConfigError, ProgressMode, describe_keys, load_run_config, save_run_config
-from shell.run_log import MetricsLog, RunProgress, plot_run, read_metrics
+from shell.run_log import MetricsLog, read_metrics
+from shell.run_plot import plot_run
+from shell.run_progress import RunProgress
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 

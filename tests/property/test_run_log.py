@@ -1,38 +1,32 @@
-"""Laws and error paths of ``shell.phases`` and ``shell.run_log``: phase timing, the metrics file, its plot, progress."""
+"""Laws and error paths of ``shell.phases`` and ``shell.run_log``: phase timing, record keys and the metrics file."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
-import struct
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from rich.console import Console
 
 from shell.phases import PhaseTimer
 from shell.run_log import (
     MetricsLog,
-    RunProgress,
     keep_steps_through,
     phase_fields,
     phase_keys,
     phase_name,
-    plot_run,
     read_metrics,
+    record_number,
+    record_step,
 )
 from tests.property.strategies import keys, reward_values
-
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 class FakeClock:
@@ -45,29 +39,6 @@ class FakeClock:
     def __call__(self) -> float:
         self.now += next(self._ticks)
         return self.now
-
-
-def _records(n: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "step": step,
-            "reward_mean": step / (n + 1),
-            "loss": -0.001 * step,
-            **phase_fields({"rollout": 1.0 + step % 3, "train": 0.5}),
-            "step_time_s": 4.0,
-        }
-        for step in range(1, n + 1)
-    ]
-
-
-def _plain_console() -> Console:
-    return Console(file=io.StringIO(), force_terminal=False, width=200)
-
-
-def _output(console: Console) -> str:
-    file = console.file
-    assert isinstance(file, io.StringIO)
-    return file.getvalue()
 
 
 # ---------------------------------------------------------------- PhaseTimer
@@ -193,6 +164,28 @@ def test_phase_name_rejects_non_phase_key() -> None:
     """phase_name refuses keys outside the phase_<name>_s convention."""
     with pytest.raises(ValueError, match="'key' must be of the form 'phase_<name>_s': got 'step_time_s'"):
         phase_name("step_time_s")
+
+
+def test_record_step_and_record_number_read_one_field() -> None:
+    """record_step gives the int step; record_number gives a float, NaN for a missing or null value."""
+    record = {"step": np.int64(3), "loss": np.float32(0.5), "kl": torch.tensor(2.0), "reward_mean": None}
+    assert record_step(record, "record") == 3 and type(record_step(record, "record")) is int
+    assert record_number(record, "loss", "record") == 0.5
+    assert record_number(record, "kl", "record") == 2.0
+    assert math.isnan(record_number(record, "reward_mean", "record"))
+    assert math.isnan(record_number(record, "absent", "record"))
+
+
+def test_record_step_and_record_number_reject_bad_fields() -> None:
+    """A missing, non-int or negative step, or a non-number field, raises naming the record."""
+    with pytest.raises(ValueError, match=r"'records\[2\]' must have an int 'step': got keys \['loss'\]"):
+        record_step({"loss": 1.0}, "records[2]")
+    with pytest.raises(TypeError, match="'step' in 'record' must be an int: got bool True"):
+        record_step({"step": True}, "record")
+    with pytest.raises(ValueError, match="'step' in 'record' must be >= 0: got -1"):
+        record_step({"step": -1}, "record")
+    with pytest.raises(TypeError, match=r"'record\['loss'\]' must be a number: got str"):
+        record_number({"loss": "low"}, "loss", "record")
 
 
 # ---------------------------------------------------------------- MetricsLog and read_metrics
@@ -394,122 +387,3 @@ def test_read_metrics_names_the_bad_line(tmp_path: Path) -> None:
     path.write_text('{"step": 1}\n[1, 2]\n')
     with pytest.raises(ValueError, match="line 2 must be one JSON object: got list"):
         read_metrics(path)
-
-
-# ---------------------------------------------------------------- plot_run
-
-
-def test_plot_run_writes_a_png(tmp_path: Path) -> None:
-    """The plot is a PNG of 900 x 600 pixels (9 x 6 inches at 100 dpi) with real content."""
-    path = plot_run(_records(30), tmp_path / "plots" / "run.png", title="gsm8k-demo")
-    data = path.read_bytes()
-    assert path == tmp_path / "plots" / "run.png"
-    assert data[:8] == PNG_SIGNATURE
-    assert struct.unpack(">II", data[16:24]) == (900, 600)
-    assert len(data) > 10_000
-
-
-def test_plot_run_draws_gaps_and_records_without_phases(tmp_path: Path) -> None:
-    """Null rewards, a single record, or records without phase keys still give a PNG."""
-    records = [{"step": 3, "reward_mean": None}, {"step": 1, "reward_mean": 0.5}, {"step": 7, "reward_mean": 1.5, "step_time_s": 2.0}]
-    assert plot_run(records, tmp_path / "gaps.png").read_bytes()[:8] == PNG_SIGNATURE
-    assert plot_run([{"step": 0, "reward_mean": -0.5}], tmp_path / "one.png").read_bytes()[:8] == PNG_SIGNATURE
-
-
-def test_plot_run_rejects_empty_records(tmp_path: Path) -> None:
-    """An empty run has nothing to plot and writes no file."""
-    with pytest.raises(ValueError, match="'records' must hold at least one record to plot: got 0"):
-        plot_run([], tmp_path / "run.png")
-    assert not (tmp_path / "run.png").exists()
-
-
-def test_plot_run_rejects_records_without_step_or_reward(tmp_path: Path) -> None:
-    """Every record needs step and reward_mean; the message names the record."""
-    with pytest.raises(ValueError, match=r"'records\[1\]' must have a 'reward_mean' key"):
-        plot_run([{"step": 1, "reward_mean": 0.5}, {"step": 2}], tmp_path / "run.png")
-    with pytest.raises(ValueError, match=r"'records\[0\]' must have a 'step' key"):
-        plot_run([{"reward_mean": 0.5}], tmp_path / "run.png")
-    with pytest.raises(TypeError, match=r"'records\[0\]\['reward_mean'\]' must be a number: got str"):
-        plot_run([{"step": 1, "reward_mean": "high"}], tmp_path / "run.png")
-    with pytest.raises(ValueError, match="'window' must be >= 1 step: got 0"):
-        plot_run(_records(3), tmp_path / "run.png", window=0)
-    with pytest.raises(TypeError, match="'window' must be an int number of steps: got float"):
-        plot_run(_records(3), tmp_path / "run.png", window=2.5)  # type: ignore[arg-type]
-
-
-# ---------------------------------------------------------------- RunProgress
-
-
-def test_run_progress_plain_prints_one_line_per_step() -> None:
-    """Plain mode prints exactly one line per advance, with the step count, reward, loss and step time."""
-    console = _plain_console()
-    records = [
-        {"step": 1, "reward_mean": 0.4124, "loss": -0.0012, "step_time_s": 1.234},
-        {"step": 2, "reward_mean": 0.5},
-        {"step": 3, "reward_mean": None, "step_time_s": 2.0},
-    ]
-    with RunProgress(total=60, console=console) as progress:
-        assert progress.mode == "plain"
-        for record in records:
-            progress.advance(record)
-    lines = _output(console).splitlines()
-    assert len(lines) == 3
-    assert lines[0].startswith("step 1/60 reward 0.412 loss -0.0012 step 1.23s elapsed ")
-    assert lines[1].startswith("step 2/60 reward 0.500 elapsed ")
-    assert lines[2].startswith("step 3/60 step 2.00s elapsed ")
-    assert all(" eta " in line for line in lines)
-    assert progress.completed == 3
-
-
-def test_run_progress_counts_from_start_on_resume() -> None:
-    """With start=k the first advance shows step k+1."""
-    console = _plain_console()
-    progress = RunProgress(total=10, start=4, console=console)
-    progress.advance({"step": 5, "reward_mean": torch.tensor(0.25)})
-    assert _output(console).startswith("step 5/10 reward 0.250 ")
-
-
-def test_run_progress_picks_live_bar_only_on_terminal() -> None:
-    """The default is a live bar on a terminal and plain lines elsewhere; enabled=False or plain=True force plain."""
-    terminal = Console(file=io.StringIO(), force_terminal=True, width=200)
-    assert RunProgress(5, console=terminal).mode == "live"
-    assert RunProgress(5, console=terminal, enabled=False).mode == "plain"
-    assert RunProgress(5, console=terminal, plain=True).mode == "plain"
-    assert RunProgress(5, console=_plain_console()).mode == "plain"
-    assert RunProgress(5, console=_plain_console(), plain=False).mode == "live"
-
-
-def test_run_progress_live_bar_shows_last_record() -> None:
-    """The live bar's final render shows the step count, the last reward and step time."""
-    console = Console(file=io.StringIO(), force_terminal=True, width=200)
-    with RunProgress(total=2, console=console) as progress:
-        progress.advance({"step": 1, "reward_mean": 0.1, "step_time_s": 3.0})
-        progress.advance({"step": 2, "reward_mean": 0.4124, "step_time_s": 1.234})
-    output = _output(console)
-    assert "step 2/2" in output and "reward 0.412" in output and "1.23 s/step" in output
-
-
-def test_run_progress_rejects_advance_past_total() -> None:
-    """Advancing more than total steps raises."""
-    progress = RunProgress(total=1, console=_plain_console())
-    progress.advance({"step": 1})
-    with pytest.raises(ValueError, match="'advance' called for step 2: expected at most 'total'=1 steps"):
-        progress.advance({"step": 2})
-
-
-def test_run_progress_rejects_bad_arguments() -> None:
-    """total must be an int >= 1, start in [0, total], records mappings with numeric fields."""
-    with pytest.raises(ValueError, match="'total' must be >= 1 step: got 0"):
-        RunProgress(total=0)
-    with pytest.raises(ValueError, match=r"'start' must be in \[0, total=5\]: got 6"):
-        RunProgress(total=5, start=6)
-    with pytest.raises(TypeError, match="'total' must be an int: got float"):
-        RunProgress(total=5.0)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="'console' must be a rich.console.Console"):
-        RunProgress(total=5, console=io.StringIO())  # type: ignore[arg-type]
-    progress = RunProgress(total=5, console=_plain_console())
-    with pytest.raises(TypeError, match="'record' must be a mapping"):
-        progress.advance(0.5)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"'record\['reward_mean'\]' must be a number: got str"):
-        progress.advance({"step": 1, "reward_mean": "good"})
-    assert progress.completed == 0
