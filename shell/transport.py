@@ -115,7 +115,12 @@ class Transport(Protocol):
         ...
 
     def read(self, rows: StepRows, names: Sequence[str]) -> TensorDict:
-        """``names`` of every row, in ``rows`` order (per-token fields padded to the step's pad length)."""
+        """``names`` of every row, in ``rows`` order.
+
+        The data plane reads them from the store, per-token fields padded to the
+        step's pad length; the legacy transport returns the batch's columns as
+        the driver holds them (the rollout's fields at the rollout's width).
+        """
         ...
 
     def finish(self, rows: StepRows) -> TransportReport:
