@@ -265,6 +265,7 @@ def shard_row_indices(shards: Sequence[KVBatchMeta], unsorted: Sequence[int]) ->
         ValueError: ``unsorted`` is not a permutation of the shards' total row count.
 
     Example:
+        >>> meta = KVBatchMeta("p", ["a", "b", "c", "d"], sequence_lengths=[5, 1, 4, 2])
         >>> shards, unsorted = shard_meta_for_dp(meta, dp_world=2)
         >>> rows = shard_row_indices(shards, unsorted)
         >>> all(meta.subset(r).keys == s.keys for r, s in zip(rows, shards))

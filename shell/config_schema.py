@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import attrs
 
 from core.frozen import freeze
+from core.step_plan import StepLayout
 from core.task import Task
 from shell.config_error import ConfigError
 from shell.run_task import TaskShape, load_task, probe_task
@@ -328,7 +329,12 @@ class RunConfig:
     def __attrs_post_init__(self) -> None:
         g, p = self.grpo, self.policy
         rows, dp, gbs = g.num_prompts_per_step * g.num_generations_per_prompt, p.layout.data_parallel, p.train_global_batch_size
-        if gbs is not None and (gbs % dp or rows % gbs):
+        try:  # "a global batch is a multiple of DP" is core's rule (StepLayout); the config adds "divides a step"
+            StepLayout(dp_size=dp, train_global_batch_size=gbs)
+            bad = gbs is not None and rows % gbs
+        except ValueError:
+            bad = True
+        if bad:
             raise ConfigError(
                 "policy.train_global_batch_size",
                 f"must be a multiple of policy.layout.data_parallel ({dp}) that divides the rows of a step "

@@ -22,7 +22,6 @@ from core.fields import ADVANTAGES, PREV_LOGPROBS, REFERENCE_LOGPROBS, SAMPLE_MA
 from core.grpo import clipped_policy_loss, kl_k3, masked_mean
 
 
-
 def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"'{attribute.name}' must be a float: got {type(value).__name__}")

@@ -210,7 +210,7 @@ class WorkerGroup:
                 )
                 for r, actor in enumerate(self._actors)
             ]
-            self.collect(refs, method="setup_distributed", timeout_s=setup_timeout)
+            self._collect(refs, "setup_distributed", setup_timeout)
         except BaseException:
             self._actors = tuple(started)
             self._kill_actors()
@@ -305,7 +305,7 @@ class WorkerGroup:
         """
         name, dispatch = self._check_call(method)
         if dispatch == "on_all_ranks":
-            return self.collect(self.submit(method, *args, **kwargs), method=name)
+            return self._collect(self.submit(method, *args, **kwargs), name, "group")
         if not args:
             raise TypeError(f"{name} is @sharded: call it as group.call(..., shards, ...) with one shard per dp index")
         shards, rest = args[0], args[1:]
@@ -317,9 +317,11 @@ class WorkerGroup:
             getattr(actor, name).remote(shard_refs[indices[r]], *shared_args, **shared_kwargs)
             for r, actor in enumerate(self._actors)
         ]
-        return list(dp_results(self._sharding, self.collect(refs, method=name)))
+        return list(dp_results(self._sharding, self._collect(refs, name, "group")))
 
-    def collect(self, refs: ObjectRefs, *, method: str, timeout_s: float | None | Literal["group"] = "group") -> list[Any]:
+    def collect(
+        self, refs: ObjectRefs, method: Callable[..., R], *, timeout_s: float | None | Literal["group"] = "group"
+    ) -> list[R]:
         """Wait for one ref per rank and return their values in rank order, or raise ONE ``WorkerError``.
 
         Waits with ``ray.wait`` and fails fast: at the first failure it waits at
@@ -328,7 +330,7 @@ class WorkerGroup:
 
         Args:
             refs: the refs of one call, one per rank in rank order (from ``submit``).
-            method: the method's name (for the error message).
+            method: the method they run (the one given to ``submit``; errors name it).
             timeout_s: seconds to wait; ``"group"`` uses the group's ``timeout_s``.
 
         Raises:
@@ -337,10 +339,14 @@ class WorkerGroup:
                 traceback) or its actor died.
             WorkerTimeoutError: no rank failed but some did not finish in time.
         """
+        name, _ = self._check_call(method)
+        return self._collect(refs, name, timeout_s)
+
+    def _collect(self, refs: ObjectRefs, name: str, timeout_s: float | None | Literal["group"]) -> list[Any]:
         if len(refs) != self.world_size:
             raise ValueError(f"'refs' must have {self.world_size} entries (one per rank): got {len(refs)}")
         wait = self._timeout_s if timeout_s == "group" else _check_timeout("timeout_s", timeout_s)
-        return self._gather(refs, tuple(range(self.world_size)), method=method, timeout_s=wait)
+        return self._gather(refs, tuple(range(self.world_size)), method=name, timeout_s=wait)
 
     def _gather(self, refs: ObjectRefs, ranks: tuple[Rank, ...], *, method: str, timeout_s: float | None) -> list[Any]:
         wait = timeout_s

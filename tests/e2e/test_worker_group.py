@@ -405,9 +405,9 @@ def test_collect_raises_timeout_naming_slow_ranks(group: WorkerGroup) -> None:
     refs = group.submit(ProbeWorker.nap, 1.0)
     start = time.monotonic()
     with pytest.raises(WorkerTimeoutError, match=r"rank 0 \(.*\) did not finish 'nap' within 0.3 s \[4 of 4 ranks still running"):
-        group.collect(refs, method="nap", timeout_s=0.3)
+        group.collect(refs, ProbeWorker.nap, timeout_s=0.3)
     assert time.monotonic() - start < 1.0
-    assert group.collect(refs, method="nap") == [0, 1, 2, 3]  # the naps still finish, and the group is still usable
+    assert group.collect(refs, ProbeWorker.nap) == [0, 1, 2, 3]  # the naps still finish, and the group is still usable
 
 
 def _wait_until_dead(actor: Any, *, limit_s: float = 20.0) -> None:

@@ -9,6 +9,9 @@ one such import anywhere in a module fails the test that names the module.
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,3 +46,16 @@ def test_imported_packages_sees_every_import_form() -> None:
         "def f():\n    from adapters import memory\nfrom . import sibling\n"
     )
     assert imported_packages(source) == {"shell", "adapters"}
+
+
+def test_adapters_public_face_loads_no_runtime() -> None:
+    """``import adapters`` gives the ports and the in-process store, and loads neither Ray, TransferQueue nor megatron."""
+    code = (
+        "import json, sys, adapters\n"
+        "names = sorted(adapters.__all__)\n"
+        "print(json.dumps({'loaded': [m for m in ('ray', 'transfer_queue', 'megatron') if m in sys.modules],"
+        " 'names': names}))\n"
+    )
+    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert out["loaded"] == []
+    assert {"DataPlaneClient", "MemoryStore", "PolicyBackend", "RESERVED_TAG_PREFIX"} <= set(out["names"])
