@@ -42,6 +42,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
+from adapters.ray_actors import named_actor_exists
 from adapters.rows import column_spec, read_columns_of
 from adapters.store_port import Keys, SeqLens, StorePuts, Tags, validate_get, validate_put, validate_tag_names
 from core.meta import KVBatchMeta
@@ -107,14 +108,7 @@ def is_running(name: str) -> bool:
     Raises:
         TypeError: ``name`` is not a str.
     """
-    _check_name(name)
-    if not ray.is_initialized():
-        return False
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        return False
-    return True
+    return named_actor_exists(_check_name(name), NAMESPACE)
 
 
 class RayMemoryStore(StorePuts):

@@ -29,7 +29,8 @@ from ray.exceptions import RayTaskError
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from adapters.memory import MemoryStore
-from adapters.ray_memory import RayMemoryStore, is_running
+from adapters.ray_actors import named_actor_exists
+from adapters.ray_memory import NAMESPACE, RayMemoryStore, is_running
 from adapters.rows import columns_equal
 from adapters.store_port import DataPlaneClient
 from core.codec import jagged_lengths, to_jagged
@@ -190,6 +191,13 @@ def test_close_of_the_owner_kills_the_actor_and_attached_close_does_not(ray_clus
     finally:
         owner.close()
         second.close()
+
+
+def test_named_actor_exists_finds_an_actor_only_by_its_name_and_namespace(ray_memory_session: RayMemoryStore) -> None:
+    """The session's store actor is found under its name in NAMESPACE, and not in another namespace or by another name."""
+    assert named_actor_exists(ray_memory_session.name, NAMESPACE)
+    assert not named_actor_exists(ray_memory_session.name, f"{NAMESPACE}-other")
+    assert not named_actor_exists(f"{ray_memory_session.name}-other", NAMESPACE)
 
 
 def test_start_with_a_taken_name_raises_value_error(ray_memory_session: RayMemoryStore) -> None:
