@@ -159,10 +159,7 @@ def _failing_calls(partition: str) -> dict[str, Callable[[DataPlaneClient], Any]
         "get-missing-field": lambda s: s.get(["a", "b"], partition, ["y"]),
         "get-mixed-layouts": lambda s: s.get(["a", "b"], partition, ["x"]),
         "clear-unknown-key": lambda s: s.clear(["zz"], partition),
-        "clear-duplicate-keys": lambda s: s.clear(["a", "a"], partition),
-        "list-keys-non-str": lambda s: s.list_keys(3),
         "describe-unknown-key": lambda s: s.describe(["zz"], partition),
-        "describe-no-keys": lambda s: s.describe([], partition),
     }
 
 
@@ -209,18 +206,32 @@ def test_errors_raised_in_the_actor_keep_type_and_message(ray_memory_session: Ra
         (lambda s, p: s.put(["n"], p, {"x": torch.zeros(1)}), TypeError, r"'fields' must be a TensorDict"),
         (lambda s, p: s.get(["a"], p, "x"), TypeError, r"not a single string"),
         (lambda s, p: s.get([], p, ["x"]), ValueError, r"'keys' must name at least one row"),
+        (lambda s, p: s.get_with_tags(["a"], p, ["x"], "r"), TypeError, r"'tag_names' .* not a single string"),
+        (lambda s, p: s.clear(["a", "a"], p), ValueError, r"'keys' must be unique: 'a' repeats"),
+        (lambda s, p: s.list_keys(3), TypeError, r"'partition_id' must be a str: got int"),
+        (lambda s, p: s.describe([], p), ValueError, r"'keys' must name at least one row"),
     ],
-    ids=["put-duplicate-keys", "put-unsupported-column", "put-not-a-tensordict", "get-single-string", "get-no-keys"],
+    ids=[
+        "put-duplicate-keys",
+        "put-unsupported-column",
+        "put-not-a-tensordict",
+        "get-single-string",
+        "get-no-keys",
+        "get-with-tags-single-string",
+        "clear-duplicate-keys",
+        "list-keys-non-str",
+        "describe-no-keys",
+    ],
 )
-def test_put_and_get_reject_bad_arguments_before_any_remote_call(
+def test_every_call_rejects_bad_arguments_before_any_remote_call(
     ray_memory_session: RayMemoryStore,
     partition: str,
     call: Callable[[DataPlaneClient, str], Any],
     error: type[Exception],
     match: str,
 ) -> None:
-    """Bad put and get arguments (columns included) raise in the caller's process, with no Ray error behind them,
-    and the put writes nothing."""
+    """Bad arguments of any call (put columns included) raise in the caller's process, with no Ray error behind
+    them, and write or remove nothing."""
     ray_memory_session.put(["a"], partition, TensorDict({"x": torch.ones(1)}, batch_size=[1]))
     with pytest.raises(error, match=match) as excinfo:
         call(ray_memory_session, partition)
