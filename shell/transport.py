@@ -43,7 +43,7 @@ from core.sharding import shard_row_indices
 from shell.column_io import read_columns, write_columns
 from shell.dataplane import DataPlaneClient
 from shell.metering import column_bytes
-from shell.policy_worker import ClientFactory
+from shell.model_worker import ClientFactory
 from shell.rank_input import InlineShard, RankInput, StoreShard
 from shell.step_rows import StepRows
 
