@@ -23,7 +23,7 @@ keys (fields, merged tags, lengths) as a :class:`core.meta.KVBatchMeta`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -31,17 +31,12 @@ from tensordict import TensorDict
 
 from adapters.rows import ColumnSpec, build_tensordict, common_spec, read_columns_of, split_column, stack_column
 from adapters.store_port import (
-    Keys,
-    StorePuts,
+    StoreAdapter,
     missing_field_error,
     pick_tags,
     stored_meta,
     unknown_keys_error,
-    validate_get,
-    validate_keys,
-    validate_partition,
     validate_put,
-    validate_tag_names,
 )
 from core.frozen import FrozenDict
 from core.meta import KVBatchMeta
@@ -58,7 +53,7 @@ class _Entry:
     sequence_length: int | None = None
 
 
-class MemoryStore(StorePuts):
+class MemoryStore(StoreAdapter):
     """An in-process :class:`adapters.store_port.DataPlaneClient`; thread-safe.
 
     Example:
@@ -79,7 +74,7 @@ class MemoryStore(StorePuts):
         return f"MemoryStore({state})"
 
     def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags):
-        """Check, then copy every row into storage (see :class:`adapters.store_port.StorePuts`)."""
+        """Check, then copy every row into storage (see :class:`adapters.store_port.StoreAdapter`)."""
         self._check_open()
         receipt = validate_put(
             keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, reserved_tags=reserved_tags
@@ -100,37 +95,10 @@ class MemoryStore(StorePuts):
                 )
         return receipt
 
-    def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
-        """Read ``select_fields`` of ``keys`` as a TensorDict of batch size ``len(keys)``, in request order.
-
-        Each field comes back in the kind it was put (dense, jagged, object
-        array, NonTensorStack), as fresh data the store does not share.
-
-        Raises:
-            RuntimeError: the store is closed.
-            TypeError: ``select_fields`` is a single string.
-            ValueError: keys repeat or are empty; no field is selected; a field
-                was put with different layouts for the requested keys.
-            KeyError: some keys are not stored (never put, or cleared); a
-                selected field is missing for some keys (names the field and keys).
-        """
-        return self._get(keys, partition_id, select_fields, ())[0]
-
-    def get_with_tags(
-        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
-    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
-        """:meth:`get` plus, per key, the tags of ``tag_names`` it holds, read under one lock hold.
-
-        Raises:
-            Whatever :meth:`get` raises; ``TypeError`` if ``tag_names`` is a single string.
-        """
-        return self._get(keys, partition_id, select_fields, validate_tag_names(tag_names))
-
     def _get(
-        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: tuple[str, ...]
+        self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]
     ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
-        self._check_open()
-        keys, names = validate_get(keys, partition_id, select_fields)
+        """The rows and tags under one lock hold; the columns are built after it, as fresh data."""
         with self._lock:
             self._check_open()
             entries = self._entries(keys, partition_id)
@@ -147,20 +115,7 @@ class MemoryStore(StorePuts):
             columns[name] = stack_column(name, spec, [row for _, row in stored.values()])
         return build_tensordict(columns, len(keys)), tags
 
-    def clear(self, keys: Keys, partition_id: str) -> None:
-        """Remove ``keys`` (all their fields, tags and lengths) from ``partition_id``.
-
-        Exact and atomic: only these keys go, and if any of them is not stored
-        nothing is removed. Clearing no keys does nothing.
-
-        Raises:
-            RuntimeError: the store is closed.
-            TypeError: ``keys`` is a single string.
-            ValueError: keys repeat or are empty strings.
-            KeyError: some keys are not stored in ``partition_id``.
-        """
-        self._check_open()
-        keys = validate_keys(keys, partition_id, allow_empty=True)
+    def _clear(self, keys: tuple[str, ...], partition_id: str) -> None:
         with self._lock:
             self._check_open()
             partition = self._partitions.get(partition_id, {})
@@ -172,29 +127,11 @@ class MemoryStore(StorePuts):
             if not partition:
                 self._partitions.pop(partition_id, None)
 
-    def list_keys(self, partition_id: str) -> tuple[str, ...]:
-        """The keys stored in ``partition_id``, in the order they were first put (empty if unknown).
-
-        Raises:
-            RuntimeError: the store is closed.
-            TypeError: ``partition_id`` is not a str.
-        """
-        self._check_open()
-        validate_partition(partition_id)
+    def _list_keys(self, partition_id: str) -> tuple[str, ...]:
         with self._lock:
             return tuple(self._partitions.get(partition_id, {}))
 
-    def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta:
-        """What is stored for ``keys``: a meta whose ``fields`` every key holds (first-put order),
-        ``tags`` the merged tags of each key, and ``sequence_lengths`` when every key has one.
-
-        Raises:
-            RuntimeError: the store is closed.
-            ValueError: keys repeat or are empty.
-            KeyError: some keys are not stored.
-        """
-        self._check_open()
-        keys = validate_keys(keys, partition_id)
+    def _describe(self, keys: tuple[str, ...], partition_id: str) -> KVBatchMeta:
         with self._lock:
             self._check_open()
             entries = self._entries(keys, partition_id)

@@ -15,9 +15,9 @@ Invariants (the port's semantics, see :mod:`adapters.store_port`, checked by
     (Ray pickles the TensorDicts both ways, object columns included), all or
     nothing puts and clears, exact clears, no aliasing (data is copied across
     processes);
-  * a put's or get's arguments and every put column are checked in the caller's
-    process before any remote call, so a rejected put writes nothing and sends
-    nothing;
+  * every call's arguments, and every put column, are checked in the caller's
+    process before any remote call (:class:`adapters.store_port.StoreAdapter`),
+    so a rejected call sends nothing and a rejected put writes nothing;
   * an error the ``MemoryStore`` raises in the actor reaches the caller as that
     exception (same type, same message), never as a ``RayTaskError``;
   * after ``close()`` every call but ``close()`` raises ``RuntimeError``; only
@@ -42,8 +42,9 @@ from ray.exceptions import RayActorError, RayTaskError
 from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
+from adapters.ray_actors import named_actor_exists
 from adapters.rows import column_spec, read_columns_of
-from adapters.store_port import Keys, SeqLens, StorePuts, Tags, validate_get, validate_put, validate_tag_names
+from adapters.store_port import Keys, SeqLens, StoreAdapter, Tags, validate_put
 from core.meta import KVBatchMeta
 
 NAMESPACE = "rl-dataplane-memory"
@@ -76,10 +77,6 @@ class MemoryStoreActor:
             keys, partition_id, fields, reserved_tags=reserved_tags, tags=tags, sequence_lengths=sequence_lengths
         )
 
-    def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
-        """See :meth:`adapters.memory.MemoryStore.get`."""
-        return self._store.get(keys, partition_id, select_fields)
-
     def get_with_tags(
         self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
     ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
@@ -107,17 +104,10 @@ def is_running(name: str) -> bool:
     Raises:
         TypeError: ``name`` is not a str.
     """
-    _check_name(name)
-    if not ray.is_initialized():
-        return False
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        return False
-    return True
+    return named_actor_exists(_check_name(name), NAMESPACE)
 
 
-class RayMemoryStore(StorePuts):
+class RayMemoryStore(StoreAdapter):
     """A :class:`adapters.store_port.DataPlaneClient` over a :class:`MemoryStoreActor`; thread-safe.
 
     Build one with :meth:`start` (creates and owns the actor) or :meth:`attach`
@@ -213,7 +203,7 @@ class RayMemoryStore(StorePuts):
         return self._owns_actor
 
     def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags):
-        """Check the arguments and every column here, then send them to the actor (see ``StorePuts``)."""
+        """Check the arguments and every column here, then send them to the actor (see ``StoreAdapter``)."""
         self._check_open()
         receipt = validate_put(
             keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, reserved_tags=reserved_tags
@@ -223,64 +213,18 @@ class RayMemoryStore(StorePuts):
         lengths = receipt.sequence_lengths
         return self._call(self._handle.put.remote(receipt.keys, partition_id, fields.detach(), tags, lengths, reserved_tags))
 
-    def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
-        """Read ``select_fields`` of ``keys``, in request order; see :meth:`adapters.memory.MemoryStore.get`.
-
-        Raises:
-            RuntimeError: the client is closed, or the actor is gone.
-            TypeError: ``select_fields`` is a single string.
-            ValueError: keys repeat or are empty; no field is selected; a field
-                was put with different layouts for the requested keys.
-            KeyError: some keys are not stored; a selected field is missing for some keys.
-        """
-        self._check_open()
-        keys, names = validate_get(keys, partition_id, select_fields)
-        return self._call(self._handle.get.remote(keys, partition_id, names))
-
-    def get_with_tags(
-        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
+    def _get(
+        self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]
     ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
-        """:meth:`get` plus, per key, the tags of ``tag_names`` it holds, in one actor call.
-
-        Raises:
-            Whatever :meth:`get` raises; ``TypeError`` if ``tag_names`` is a single string.
-        """
-        self._check_open()
-        keys, names = validate_get(keys, partition_id, select_fields)
-        tag_names = validate_tag_names(tag_names)
         return self._call(self._handle.get_with_tags.remote(keys, partition_id, names, tag_names))
 
-    def clear(self, keys: Keys, partition_id: str) -> None:
-        """Remove ``keys`` from ``partition_id``, exactly and atomically; see :meth:`adapters.memory.MemoryStore.clear`.
-
-        Raises:
-            RuntimeError: the client is closed, or the actor is gone.
-            TypeError: ``keys`` is a single string.
-            ValueError: keys repeat or are empty strings.
-            KeyError: some keys are not stored in ``partition_id``.
-        """
-        self._check_open()
+    def _clear(self, keys: tuple[str, ...], partition_id: str) -> None:
         self._call(self._handle.clear.remote(keys, partition_id))
 
-    def list_keys(self, partition_id: str) -> tuple[str, ...]:
-        """The keys stored in ``partition_id``, in first-put order (empty if unknown).
-
-        Raises:
-            RuntimeError: the client is closed, or the actor is gone.
-            TypeError: ``partition_id`` is not a str.
-        """
-        self._check_open()
+    def _list_keys(self, partition_id: str) -> tuple[str, ...]:
         return self._call(self._handle.list_keys.remote(partition_id))
 
-    def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta:
-        """What is stored for ``keys``; see :meth:`adapters.memory.MemoryStore.describe`.
-
-        Raises:
-            RuntimeError: the client is closed, or the actor is gone.
-            ValueError: keys repeat or are empty.
-            KeyError: some keys are not stored.
-        """
-        self._check_open()
+    def _describe(self, keys: tuple[str, ...], partition_id: str) -> KVBatchMeta:
         return self._call(self._handle.describe.remote(keys, partition_id))
 
     def close(self) -> None:

@@ -24,7 +24,8 @@ suite (``tests/e2e/test_store_contract.py``):
   :meth:`ReservedTagPutClient.put_with_reserved_tags` writes them.
 * **Independent partitions; last write wins** for a field under a key.
 
-This module holds the protocols and the pre-I/O validation every adapter calls.
+This module holds the protocols, the pre-I/O validation every adapter calls, and
+:class:`StoreAdapter`, the adapters' base, whose public methods call it.
 
 Invariant: every adapter raises exactly the errors of :func:`validate_put`,
 :func:`validate_get`, :func:`missing_field_error` and :func:`unknown_keys_error`,
@@ -34,7 +35,7 @@ so callers see one error vocabulary whatever the store.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 from tensordict import TensorDict
@@ -136,13 +137,22 @@ class ReservedTagPutClient(Protocol):
         ...
 
 
-class StorePuts:
-    """Base of every adapter: its ``put`` and ``put_with_reserved_tags``, written once.
+class StoreAdapter:
+    """Base of every adapter: the port's public methods, written once.
 
-    Both hand their arguments to the adapter's ``_put``, which checks them
-    with :func:`validate_put` before any I/O and writes; ``put`` passes no
-    reserved tags, so only ``put_with_reserved_tags`` can write them.
+    Each public method checks that the store is open (the adapter's
+    ``_check_open``) and checks its arguments before any I/O, with the
+    validators below, then hands them to the adapter's hook, which does the
+    I/O: ``_put`` (which also checks the put: see there), ``_get``,
+    ``_clear``, ``_list_keys`` and ``_describe``. ``put`` passes no reserved
+    tags, so only ``put_with_reserved_tags`` can write them.
+
+    Attributes:
+        RESERVED_TAGS: tag names the adapter keeps for itself, which
+            ``get_with_tags`` must not be asked for (none by default).
     """
+
+    RESERVED_TAGS: ClassVar[frozenset[str]] = frozenset()
 
     def put(
         self,
@@ -181,10 +191,107 @@ class StorePuts:
         """See :meth:`ReservedTagPutClient.put_with_reserved_tags`."""
         return self._put(keys, partition_id, fields, tags, sequence_lengths, reserved_tags)
 
+    def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
+        """Read ``select_fields`` of ``keys`` as a TensorDict of batch size ``len(keys)``, in request order.
+
+        Each field comes back in the kind it was put (dense, jagged, object
+        array, NonTensorStack), bit for bit, as fresh data the store does not share.
+
+        Raises:
+            RuntimeError: the store is closed, or its backend is gone or disagrees with what it recorded.
+            TypeError: ``select_fields`` is a single string.
+            ValueError: keys repeat or are empty; no field is selected; a field
+                was put with different layouts for the requested keys.
+            KeyError: some keys are not stored (never put, or cleared); a
+                selected field is missing for some keys (names the field and keys).
+        """
+        return self.get_with_tags(keys, partition_id, select_fields, ())[0]
+
+    def get_with_tags(
+        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
+    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
+        """:meth:`get` plus, per key, the tags of ``tag_names`` it holds, from the same lookup.
+
+        Raises:
+            Whatever :meth:`get` raises; ``TypeError`` if ``tag_names`` is a
+            single string; ``ValueError`` if it names one of :attr:`RESERVED_TAGS`.
+        """
+        self._check_open()
+        keys, names = validate_get(keys, partition_id, select_fields)
+        return self._get(keys, partition_id, names, validate_tag_names(tag_names, self.RESERVED_TAGS))
+
+    def clear(self, keys: Keys, partition_id: str) -> None:
+        """Remove ``keys`` (all their fields, tags and lengths) from ``partition_id``.
+
+        Exact (``"k1"`` never touches ``"k11"``) and all-or-nothing: if any key is
+        not stored nothing is removed. Clearing no keys does nothing.
+
+        Raises:
+            RuntimeError: the store is closed, or its backend is gone.
+            TypeError: ``keys`` is a single string.
+            ValueError: keys repeat or are empty strings.
+            KeyError: some keys are not stored in ``partition_id``.
+        """
+        self._check_open()
+        keys = validate_keys(keys, partition_id, allow_empty=True)
+        if keys:
+            self._clear(keys, partition_id)
+
+    def list_keys(self, partition_id: str) -> tuple[str, ...]:
+        """The keys stored in ``partition_id``, in the order they were first put (empty if unknown).
+
+        Raises:
+            RuntimeError: the store is closed, or its backend is gone.
+            TypeError: ``partition_id`` is not a str.
+        """
+        self._check_open()
+        return self._list_keys(validate_partition(partition_id))
+
+    def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta:
+        """What is stored for ``keys``: a meta whose ``fields`` every key holds (first-put order),
+        ``tags`` the merged user tags of each key, and ``sequence_lengths`` when every key has one.
+
+        Raises:
+            RuntimeError: the store is closed, or its backend is gone.
+            ValueError: keys repeat or are empty.
+            KeyError: some keys are not stored.
+        """
+        self._check_open()
+        return self._describe(validate_keys(keys, partition_id), partition_id)
+
+    # ------------------------------------------------------------ the adapter's own
+
+    def _check_open(self) -> None:
+        """Raise ``RuntimeError`` (saying how to get a working client) if the store is closed."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _check_open")
+
     def _put(self, keys: Keys, partition_id: str, fields: TensorDict, tags: Tags | None,
              sequence_lengths: SeqLens | None, reserved_tags: Tags | None) -> KVBatchMeta:
-        """Check (``validate_put(..., reserved_tags=reserved_tags)``) and write; the adapter's own."""
+        """Check (``_check_open``, then ``validate_put(..., reserved_tags=reserved_tags)``) and write.
+
+        The one hook that gets the caller's arguments unchecked: an adapter
+        that forwards the put to another process (``adapters.ray_memory``)
+        sends them as they came, and also checks the columns before sending.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement _put")
+
+    def _get(
+        self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]
+    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
+        """Read checked ``names`` of checked ``keys`` and, per key, its tags of ``tag_names``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _get")
+
+    def _clear(self, keys: tuple[str, ...], partition_id: str) -> None:
+        """Remove checked, non-empty ``keys``, all or nothing."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _clear")
+
+    def _list_keys(self, partition_id: str) -> tuple[str, ...]:
+        """The keys of a checked ``partition_id``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _list_keys")
+
+    def _describe(self, keys: tuple[str, ...], partition_id: str) -> KVBatchMeta:
+        """What is stored for checked, non-empty ``keys``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _describe")
 
 
 def validate_put(

@@ -34,6 +34,7 @@ import ray
 import transfer_queue as tq
 from omegaconf import DictConfig, OmegaConf
 
+from adapters.ray_actors import named_actor_exists
 from adapters.tq_mooncake import MOONCAKE, attach_lending_no_memory, prepare_mooncake
 
 CONTROLLER_NAME = "TransferQueueController"
@@ -111,13 +112,7 @@ def is_running() -> bool:
 
     Never starts Ray: without an initialised Ray there is no cluster to look in.
     """
-    if not ray.is_initialized():
-        return False
-    try:
-        ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
-    except ValueError:
-        return False
-    return True
+    return named_actor_exists(CONTROLLER_NAME, CONTROLLER_NAMESPACE)
 
 
 

@@ -55,21 +55,15 @@ from typing import Any
 import transfer_queue as tq
 from tensordict import TensorDict
 
-from adapters import tq_system
+from adapters import tq_system, tq_wire
 from adapters.store_port import (
-    Keys,
-    StorePuts,
+    StoreAdapter,
     pick_tags,
     unknown_keys_error,
-    validate_get,
-    validate_keys,
-    validate_partition,
     validate_put,
-    validate_tag_names,
 )
 from adapters.tq_system import Config, SystemHold, is_running
 from adapters.tq_wire import (
-    RESERVED_TAGS,
     decode_columns,
     describe_meta,
     field_set_groups,
@@ -104,7 +98,7 @@ async def _drop_registered(client: tq.TransferQueueClient, meta: tq.BatchMeta) -
 # ---------------------------------------------------------------- stores
 
 
-class TransferQueueStore(StorePuts):
+class TransferQueueStore(StoreAdapter):
     """A :class:`adapters.store_port.DataPlaneClient` over TransferQueue; thread-safe.
 
     Build one with :meth:`start` (starts and owns TQ) or :meth:`attach` (joins a
@@ -121,6 +115,9 @@ class TransferQueueStore(StorePuts):
         torch.Size([1, 3])
         >>> store.close()  # doctest: +SKIP
     """
+
+    RESERVED_TAGS = tq_wire.RESERVED_TAGS
+    """The wire's own tags (``__kvspec__``, ``__kvlen__``): merged by the adapter, hidden from ``describe``."""
 
     def __init__(self, hold: SystemHold = SystemHold()) -> None:
         self._hold = hold
@@ -164,7 +161,7 @@ class TransferQueueStore(StorePuts):
 
     def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags):
         """Check the put completely (the port's checks, then :func:`adapters.tq_wire.plan_put`), then write it (see
-        :class:`adapters.store_port.StorePuts`); a TQ failure chains TQ's error and clears the keys it registered.
+        :class:`adapters.store_port.StoreAdapter`); a TQ failure chains TQ's error and clears the keys it registered.
 
         Besides the port's reserved tags, ``__kvspec__`` and ``__kvlen__`` are reserved here.
         """
@@ -186,38 +183,10 @@ class TransferQueueStore(StorePuts):
             raise
         return plan.receipt
 
-    def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
-        """Read ``select_fields`` of ``keys`` as a TensorDict of batch size ``len(keys)``, in request order.
-
-        Each field comes back in the kind it was put (dense, jagged, object
-        array, NonTensorStack), bit for bit.
-
-        Raises:
-            RuntimeError: the store is closed, or TQ disagrees with the recorded specs.
-            TypeError: ``select_fields`` is a single string.
-            ValueError: keys repeat or are empty; no field is selected; a field
-                was put with different layouts for the requested keys.
-            KeyError: some keys are not stored; a selected field is missing for
-                some keys (names the field and keys).
-        """
-        return self._get(keys, partition_id, select_fields, ())[0]
-
-    def get_with_tags(
-        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
-    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
-        """:meth:`get` plus, per key, the tags of ``tag_names`` it holds, from the same meta lookup.
-
-        Raises:
-            Whatever :meth:`get` raises; ``TypeError`` if ``tag_names`` is a
-            single string; ``ValueError`` if it names a reserved tag.
-        """
-        return self._get(keys, partition_id, select_fields, validate_tag_names(tag_names, RESERVED_TAGS))
-
     def _get(
-        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: tuple[str, ...]
+        self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]
     ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
-        self._check_open()
-        keys, names = validate_get(keys, partition_id, select_fields)
+        """Columns and tags from one meta lookup; the columns decoded to the kinds the puts recorded."""
         client = tq_system.client()
         meta = client.kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
         self._check_found(client, keys, partition_id, meta)
@@ -226,22 +195,8 @@ class TransferQueueStore(StorePuts):
         selected = select_wires(meta, specs, partition_id)
         return decode_columns(specs, client.get_data(selected), len(keys), pad_rows=self._kv_backend), tags
 
-    def clear(self, keys: Keys, partition_id: str) -> None:
-        """Remove ``keys`` (all their fields, tags and lengths) from ``partition_id``.
-
-        Exact (``"k1"`` never touches ``"k11"``) and all-or-nothing: if any key is
-        not stored nothing is removed. Clearing no keys does nothing.
-
-        Raises:
-            RuntimeError: the store is closed.
-            TypeError: ``keys`` is a single string.
-            ValueError: keys repeat or are empty strings.
-            KeyError: some keys are not stored in ``partition_id``.
-        """
-        self._check_open()
-        keys = validate_keys(keys, partition_id, allow_empty=True)
-        if not keys:
-            return
+    def _clear(self, keys: tuple[str, ...], partition_id: str) -> None:
+        """One TQ clear of the keys, after checking that all are stored; on Mooncake, one per field set."""
         client = tq_system.client()
         meta = client.kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
         self._check_found(client, keys, partition_id, meta)
@@ -254,28 +209,11 @@ class TransferQueueStore(StorePuts):
             subset = [keys[i] for i in group]
             client.clear_samples(client.kv_retrieve_meta(keys=subset, partition_id=partition_id, create=False))
 
-    def list_keys(self, partition_id: str) -> tuple[str, ...]:
-        """The keys stored in ``partition_id``, in first-put order (empty if unknown).
-
-        Raises:
-            RuntimeError: the store is closed.
-            TypeError: ``partition_id`` is not a str.
-        """
-        self._check_open()
-        validate_partition(partition_id)
+    def _list_keys(self, partition_id: str) -> tuple[str, ...]:
         return tuple(tq_system.client().kv_list(partition_id).get(partition_id, {}))
 
-    def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta:
-        """What is stored for ``keys``: fields every key holds (first-put order), each
-        key's merged tags (reserved ones hidden), and lengths when every key has one.
-
-        Raises:
-            RuntimeError: the store is closed.
-            ValueError: keys repeat or are empty.
-            KeyError: some keys are not stored.
-        """
-        self._check_open()
-        keys = validate_keys(keys, partition_id)
+    def _describe(self, keys: tuple[str, ...], partition_id: str) -> KVBatchMeta:
+        """The meta's tags with the reserved ones hidden (see :func:`adapters.tq_wire.describe_meta`)."""
         client = tq_system.client()
         meta = client.kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
         self._check_found(client, keys, partition_id, meta)

@@ -28,7 +28,8 @@ from core.model_config import TinyGPTConfig
 from core.sharding import DynamicBatchingSpec, PackingSpec
 from core.step_plan import StepLayout, TrainResult, merge_train, shard_step, stamp_step
 from core.topology import NamedSharding
-from shell.policy_worker import ClientFactory, FetchPolicy, PolicyWorker, PolicyWorkerConfig
+from shell.model_worker import ClientFactory
+from shell.policy_worker import FetchPolicy, PolicyWorker, PolicyWorkerConfig
 from shell.step_rows import StepRows
 from shell.transport import Transport
 from shell.worker_group import WorkerGroup

@@ -31,7 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import attrs
@@ -49,9 +49,9 @@ from core.model_config import TinyGPTConfig
 from core.step_plan import micro_batch_spans
 from shell.column_io import read_columns, write_columns
 from shell.rank_input import RankInput
-from shell.worker import Worker, on_all_ranks, sharded
+from shell.model_worker import ModelWorker
+from shell.worker import on_all_ranks, sharded
 
-ClientFactory = Callable[[], DataPlaneClient]
 FetchPolicy = Literal["auto", "independent", "leader_broadcast"]
 """How a replica group reads its rows: every rank reads (``independent``), the leader reads and broadcasts
 (``leader_broadcast``), or leader broadcast when the replica group has more than one rank (``auto``)."""
@@ -128,7 +128,7 @@ def _tensors(batch: TensorDict) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- the worker
 
 
-class PolicyWorker(Worker):
+class PolicyWorker(ModelWorker):
     """A megatron policy rank (see the module docstring); the driver calls ``setup`` once after the group starts.
 
     Args:
@@ -137,13 +137,8 @@ class PolicyWorker(Worker):
             plane; None on the legacy path); must be picklable.
     """
 
-    def __init__(self, config: PolicyWorkerConfig, client_factory: ClientFactory | None = None) -> None:
-        if not isinstance(config, PolicyWorkerConfig):
-            raise TypeError(f"'config' must be a PolicyWorkerConfig: got {type(config).__name__}")
-        self.config = config
-        self._client_factory = client_factory
-        self._client: DataPlaneClient | None = None
-        self._backend: PolicyBackend | None = None
+    CONFIG = PolicyWorkerConfig
+    config: PolicyWorkerConfig
 
     # ------------------------------------------------------------ set-up
 
@@ -154,11 +149,7 @@ class PolicyWorker(Worker):
         Raises:
             ValueError: the layout has context parallelism (the backend has none).
         """
-        torch.set_num_threads(self.config.torch_threads)
-        self._backend = self._build_backend()
-        if self._client_factory is not None and self._client is None:
-            self._client = self._client_factory()
-        return self._backend.parallel_coords()
+        return self.set_up().parallel_coords()
 
     def _build_backend(self) -> PolicyBackend:
         from adapters.megatron import MegatronGPTBackend  # the one adapter behind the port: megatron loads here
@@ -178,17 +169,6 @@ class PolicyWorker(Worker):
     def reset(self) -> None:
         """Rebuild the backend: initial weights of the seed and a fresh optimizer. Collective."""
         self._backend = self._build_backend()
-
-    @property
-    def backend(self) -> PolicyBackend:
-        """The rank's backend.
-
-        Raises:
-            RuntimeError: ``setup`` has not run.
-        """
-        if self._backend is None:
-            raise RuntimeError(f"rank {self.rank}: the backend is not built; call group.call(PolicyWorker.setup) first")
-        return self._backend
 
     @property
     def client(self) -> DataPlaneClient:

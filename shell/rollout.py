@@ -18,7 +18,7 @@ sampling generator is seeded from ``(seed, step, batch_index)`` alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -26,7 +26,6 @@ import torch
 
 from adapters.model_port import PolicyBackend
 from adapters.rows import build_tensordict
-from adapters.store_port import DataPlaneClient
 from core.entropy import mean_token_entropy
 from core.fields import INPUT_IDS, LENGTHS, TOKEN_MASK
 from core.meta import KVBatchMeta
@@ -35,12 +34,12 @@ from core.rollout_carry import RolloutCarry
 from core.step_plan import LEGACY_PARTITION
 from core.task import EOS_ID, Prompt, Task
 from shell.column_io import first_write
+from shell.model_worker import ModelWorker
 from shell.policy_worker import client_io
 from shell.run_task import checked_rewards
 from shell.step_rows import StepRows
-from shell.worker import Worker, on_all_ranks
+from shell.worker import on_all_ranks
 
-ClientFactory = Callable[[], DataPlaneClient]
 ROLLOUT_TOKEN_FIELDS: tuple[str, ...] = (INPUT_IDS, TOKEN_MASK)
 
 _SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
@@ -116,40 +115,27 @@ def step_entropy(results: Sequence[RolloutResult]) -> float:
     )
 
 
-class RolloutWorker(Worker):
-    """The rollout engine (see the module docstring); call ``setup`` once after the group starts."""
+class RolloutWorker(ModelWorker):
+    """The rollout engine (see the module docstring); call ``setup`` once after the group starts.
 
-    def __init__(self, config: RolloutConfig, client_factory: ClientFactory | None = None) -> None:
-        if not isinstance(config, RolloutConfig):
-            raise TypeError(f"'config' must be a RolloutConfig: got {type(config).__name__}")
-        self.config = config
-        self._client_factory = client_factory
-        self._client: DataPlaneClient | None = None
-        self._backend: PolicyBackend | None = None
+    Args:
+        config: the engine's settings.
+        client_factory: builds the engine's store client in ``setup`` (data
+            plane; None on the legacy path); must be picklable.
+    """
+
+    CONFIG = RolloutConfig
+    config: RolloutConfig
 
     @on_all_ranks
     def setup(self) -> None:
         """Build the engine's model (the seed's initial weights) and, for the data plane, open the store client."""
-        torch.set_num_threads(self.config.torch_threads)
-        self._backend = self._build_backend()
-        if self._client_factory is not None:
-            self._client = self._client_factory()
+        self.set_up()
 
     def _build_backend(self) -> PolicyBackend:
         from adapters.megatron import MegatronGPTBackend  # the one adapter behind the port: megatron loads here
 
         return MegatronGPTBackend(self.config.model, tensor_parallel=1, pipeline_parallel=1, seed=self.config.seed)
-
-    @property
-    def backend(self) -> PolicyBackend:
-        """The engine's model.
-
-        Raises:
-            RuntimeError: ``setup`` has not run.
-        """
-        if self._backend is None:
-            raise RuntimeError("the rollout engine is not built; call group.call(RolloutWorker.setup) first")
-        return self._backend
 
     @on_all_ranks
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:

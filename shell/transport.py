@@ -36,14 +36,14 @@ import torch
 from tensordict import TensorDict
 
 from adapters.rows import build_tensordict
+from adapters.store_port import DataPlaneClient
 from core.codec import is_jagged, to_jagged, to_padded
 from core.fields import GLOBAL_FORWARD_PAD_SEQLEN, LENGTHS, is_token_field
 from core.meta import KVBatchMeta
 from core.sharding import shard_row_indices
 from shell.column_io import read_columns, write_columns
-from adapters.store_port import DataPlaneClient
 from shell.metering import column_bytes
-from shell.policy_worker import ClientFactory
+from shell.model_worker import ClientFactory
 from shell.rank_input import InlineShard, RankInput, StoreShard
 from shell.step_rows import StepRows
 

@@ -18,23 +18,20 @@ into the store is not counted: it happens once per step in either design
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
-import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import attrs
 import cloudpickle
-import ray
 import torch
 from tensordict import TensorDict
 
 from adapters.transfer_queue import TransferQueueStore
 from core.step_plan import legacy_meta
 from core.topology import NamedSharding
+from shell.bench.cluster import bench_cluster
 from shell.bench.report import Report
 from shell.column_io import first_write
 from shell.loss import GRPOLoss
@@ -43,8 +40,6 @@ from shell.step_rows import StepRows
 from shell.transport import DataPlaneTransport, LegacyTransport
 from shell.worker import dispatch_of
 from shell.worker_group import WorkerGroup
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @attrs.frozen
@@ -115,22 +110,13 @@ def _measure(call: Callable[[], Any], metered: MeteredGroup, repeats: int) -> tu
 
 def run(cfg: PolicyBenchConfig, report: Report) -> None:
     """Measure both paths into ``report`` (starts and stops its own Ray and TransferQueue)."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(
-        num_cpus=max(8, os.cpu_count() or 1),
-        include_dashboard=False,
-        namespace=f"policy-bench-{uuid.uuid4().hex[:6]}",
-        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    config = PolicyConfig(
+        sharding=NamedSharding({"data_parallel": 2}), seed=cfg.seed, train_global_batch_size=cfg.rows // 2
     )
-    report.start(total=5, description="policy benchmark")
-    store = TransferQueueStore.start()
-    try:
-        config = PolicyConfig(
-            sharding=NamedSharding({"data_parallel": 2}), seed=cfg.seed, train_global_batch_size=cfg.rows // 2
-        )
-        group = build_group(config, client_factory=TransferQueueStore.attach)
-        report.advance()
-        try:
+    with bench_cluster("policy") as store:
+        report.start(total=5, description="policy benchmark")
+        with build_group(config, client_factory=TransferQueueStore.attach) as group:
+            report.advance()
             metered = MeteredGroup(group)
             plane_transport = DataPlaneTransport(store, TransferQueueStore.attach, partition_id="policy-bench")
             legacy = Policy(config, LegacyTransport(), group=metered)  # type: ignore[arg-type]
@@ -167,11 +153,6 @@ def run(cfg: PolicyBenchConfig, report: Report) -> None:
                 report.advance()
             finally:
                 plane_transport.finish(stored)
-        finally:
-            group.shutdown()
-    finally:
-        store.close()
-        ray.shutdown()
     table = []
     for call, paths in rows.items():
         (lt, ls, lr), (dt, ds, dr) = paths["legacy"], paths["data plane"]

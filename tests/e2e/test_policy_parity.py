@@ -121,11 +121,8 @@ def _batch(seed: int) -> TensorDict:
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def group(request: pytest.FixtureRequest, ray_cluster: None, tq_store_session: TransferQueueStore) -> Iterator[WorkerGroup]:
     """A 2-rank policy group per layout, with recording TransferQueue clients, shared by this module."""
-    wg = build_group(_config(request.param, "none"), worker_cls=RecordingPolicyWorker, client_factory=recording_transfer_queue)
-    try:
+    with build_group(_config(request.param, "none"), worker_cls=RecordingPolicyWorker, client_factory=recording_transfer_queue) as wg:
         yield wg
-    finally:
-        wg.shutdown()
 
 
 @pytest.fixture

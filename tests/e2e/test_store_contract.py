@@ -15,21 +15,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from adapters.rows import columns_equal
 from adapters.store_port import DataPlaneClient, ReservedTagPutClient, TaggedGetClient
 from core.codec import jagged_lengths, to_jagged
-
-DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool,
-)
-
-
-def _tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point:
-        return (torch.randn(shape, generator=gen, dtype=torch.float64) * 100).to(dtype)
-    info = torch.iinfo(dtype)
-    return torch.randint(info.min, info.max, shape, generator=gen, dtype=dtype)
+from tests.property.strategies import CODEC_DTYPES, random_tensor
 
 
 def _ids(n: int, offset: int = 0) -> TensorDict:
@@ -40,14 +26,14 @@ def _ids(n: int, offset: int = 0) -> TensorDict:
 def _every_kind(n: int, lengths: list[int]) -> TensorDict:
     """A batch with a field for each dtype and shape (N,), (N,1), (N,S), (N,S,D), jagged, plus object columns."""
     td = TensorDict(batch_size=[n])
-    for i, dtype in enumerate(DTYPES):
+    for i, dtype in enumerate(CODEC_DTYPES):
         name = str(dtype).removeprefix("torch.")
-        td[f"{name}_n"] = _tensor((n,), dtype, i)
-        td[f"{name}_n1"] = _tensor((n, 1), dtype, i + 100)
-        td[f"{name}_ns"] = _tensor((n, 5), dtype, i + 200)
-        td[f"{name}_nsd"] = _tensor((n, 5, 3), dtype, i + 300)
-        td[f"{name}_jagged"] = to_jagged(_tensor((n, max(lengths)), dtype, i + 400), lengths)
-        td[f"{name}_jagged_d"] = to_jagged(_tensor((n, max(lengths), 2), dtype, i + 500), lengths)
+        td[f"{name}_n"] = random_tensor((n,), dtype, i)
+        td[f"{name}_n1"] = random_tensor((n, 1), dtype, i + 100)
+        td[f"{name}_ns"] = random_tensor((n, 5), dtype, i + 200)
+        td[f"{name}_nsd"] = random_tensor((n, 5, 3), dtype, i + 300)
+        td[f"{name}_jagged"] = to_jagged(random_tensor((n, max(lengths)), dtype, i + 400), lengths)
+        td[f"{name}_jagged_d"] = to_jagged(random_tensor((n, max(lengths), 2), dtype, i + 500), lengths)
     td["objects"] = np.array([{"uid": i, "turns": [i] * i} for i in range(n)], dtype=object)
     td["texts"] = NonTensorStack(*(f"prompt {i}" for i in range(n)))
     return td

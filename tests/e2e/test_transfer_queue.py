@@ -12,11 +12,7 @@ Ray.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
 from typing import Any
 
 import numpy as np
@@ -41,7 +37,8 @@ from adapters.tq_wire import (
 )
 from adapters.transfer_queue import TransferQueueStore, is_running
 from core.codec import jagged_lengths, to_jagged
-from tests.e2e.conftest import ROOT, TQ_BACKEND
+from tests.e2e.conftest import TQ_BACKEND
+from tests.e2e.store_peer import check_round_trip_through_peer, run_without_ray, trainer_batch
 from tests.property.strategies import digest_columns
 
 pytestmark = pytest.mark.e2e
@@ -64,59 +61,13 @@ print(json.dumps(report))
 """
 
 
-def _batch(n: int, lengths: list[int]) -> TensorDict:
-    """Fields of every kind a trainer sends: jagged ids and bf16 logprobs, (N,), (N,1), (N,S), objects, texts."""
-    g = torch.Generator().manual_seed(n)
-    td = TensorDict(
-        {
-            "input_ids": to_jagged(torch.randint(0, 1000, (n, max(lengths)), generator=g), lengths),
-            "logprobs": to_jagged(torch.randn(n, max(lengths), generator=g).to(torch.bfloat16), lengths),
-            "reward": torch.randn(n, generator=g, dtype=torch.float64),
-            "mask": torch.rand(n, 1, generator=g) > 0.5,
-            "hidden": torch.randn(n, 4, generator=g).to(torch.float16),
-        },
-        batch_size=[n],
-    )
-    td["meta"] = np.array([{"uid": i, "turns": (i, i + 1)} for i in range(n)], dtype=object)
-    td["texts"] = NonTensorStack(*(f"prompt {i}" for i in range(n)))
-    return td
-
-
-@ray.remote
-class _Peer:
-    """A Ray actor (another process) that attaches to the session's TransferQueue."""
-
-    def __init__(self) -> None:
-        self._store = TransferQueueStore.attach()
-
-    def read(self, keys: list[str], partition: str, names: list[str]) -> dict[str, Any]:
-        got = self._store.get(keys, partition, names)
-        return {name: got.get(name) for name in names}
-
-    def write_scaled_logprobs(self, keys: list[str], partition: str) -> tuple[str, ...]:
-        logprobs = self._store.get(keys, partition, ["logprobs"])["logprobs"]
-        scaled = torch.nested.nested_tensor([row * 2 for row in logprobs.unbind()], layout=torch.jagged)
-        fields = TensorDict({"scaled": scaled}, batch_size=[len(keys)])
-        return self._store.put(keys, partition, fields, tags=[{"by": "actor"}] * len(keys)).fields
-
-    def close(self) -> bool:
-        self._store.close()
-        self._store.close()
-        return is_running()
-
-
 # ---------------------------------------------------------------- configuration and lifecycle
 
 
 @pytest.fixture(scope="module")
 def no_ray_report() -> dict[str, Any]:
     """What attach() and start(bad config) do in a fresh interpreter without Ray (run once; never starts Ray)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    done = subprocess.run(
-        [sys.executable, "-c", _NO_RAY_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_without_ray(_NO_RAY_SCRIPT)
 
 
 def test_attach_without_ray_raises_runtime_error(no_ray_report: dict[str, Any]) -> None:
@@ -195,32 +146,12 @@ def test_close_of_attached_store_leaves_transfer_queue_running(
 def test_actor_attaches_reads_the_driver_writes_and_writes_back(
     tq_store_session: TransferQueueStore, partition: str
 ) -> None:
-    """A Ray actor attaches, reads byte-equal what the driver put, and the driver reads the field it writes back."""
+    """A Ray actor attaches, reads byte-equal what the driver put (objects included), sees the store's own errors,
+    and the driver reads the field it writes back; the actor's close leaves TQ running."""
     store = TransferQueueStore.attach()
-    keys = ["k0", "k1", "k2", "k3"]
-    fields = _batch(4, [3, 0, 5, 2])
-    store.put(keys, partition, fields, tags=[{"uid": i} for i in range(4)])
-    peer = _Peer.remote()  # type: ignore[attr-defined]
     try:
-        order = [2, 0, 3]
-        got = ray.get(peer.read.remote([keys[i] for i in order], partition, list(fields.keys())))
-        expected = store.get([keys[i] for i in order], partition, list(fields.keys()))
-        for name in fields.keys():
-            assert columns_equal(got[name], expected.get(name)), name
-        assert got["meta"].data.tolist() == [fields["meta"][i] for i in order]
-        assert ray.get(peer.write_scaled_logprobs.remote(keys, partition)) == ("scaled",)
-        scaled = store.get(keys, partition, ["scaled"])["scaled"]
-        assert jagged_lengths(scaled) == (3, 0, 5, 2)
-        for row, original in zip(scaled.unbind(), fields["logprobs"].unbind()):
-            assert torch.equal(row, original * 2) and row.dtype == torch.bfloat16
-        meta = store.describe(["k1"], partition)
-        assert meta.fields == (*fields.keys(), "scaled")
-        assert meta.tags == ({"uid": 1, "by": "actor"},)
-        assert ray.get(peer.close.remote()) is True, "an actor's attached store must not shut TQ down"
-        assert is_running()
+        check_round_trip_through_peer(store, TransferQueueStore.attach, partition, is_running)
     finally:
-        ray.kill(peer)
-        store.clear(keys, partition)
         store.close()
 
 
@@ -491,7 +422,7 @@ def test_put_stores_native_columns_under_wire_fields_with_flat_tags(
 ) -> None:
     """TQ holds each field natively under its wire name; the reserved tags are a str and an int per key."""
     store = TransferQueueStore.attach()
-    fields = _batch(3, [2, 0, 1])
+    fields = trainer_batch(3, [2, 0, 1])
     store.put(["a", "b", "c"], partition, fields, sequence_lengths=[2, 0, 1])
     tags = tq.kv_list(partition)[partition]["b"]
     assert isinstance(tags["__kvspec__"], str) and tags["__kvlen__"] == 0

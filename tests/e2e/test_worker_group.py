@@ -194,7 +194,7 @@ class OtherWorker(Worker):
 def group(request: pytest.FixtureRequest, ray_cluster: None) -> Iterator[WorkerGroup]:
     """A 4-rank gloo group per layout, shared by this module's tests."""
     sharding = NamedSharding(LAYOUTS[request.param])
-    wg = WorkerGroup(
+    with WorkerGroup(
         ProbeWorker,
         sharding,
         init_kwargs={"tag": request.param},
@@ -202,21 +202,15 @@ def group(request: pytest.FixtureRequest, ray_cluster: None) -> Iterator[WorkerG
         num_cpus_per_worker=CPUS,
         timeout_s=60,
         pg_timeout_s=60,
-    )
-    try:
+    ) as wg:
         yield wg
-    finally:
-        wg.shutdown()
 
 
 @pytest.fixture
 def small_group(ray_cluster: None) -> Iterator[WorkerGroup]:
     """A 2-rank (DP=2) group of one's own, for a test that breaks it."""
-    wg = WorkerGroup(ProbeWorker, NamedSharding({"data_parallel": 2}), num_cpus_per_worker=CPUS, pg_timeout_s=30)
-    try:
+    with WorkerGroup(ProbeWorker, NamedSharding({"data_parallel": 2}), num_cpus_per_worker=CPUS, pg_timeout_s=30) as wg:
         yield wg
-    finally:
-        wg.shutdown()
 
 
 # ---------------------------------------------------------------- placement and collectives
