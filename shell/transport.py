@@ -166,16 +166,11 @@ def slice_rank_batch(data: TensorDict, rows: Sequence[int], lengths: Sequence[in
 class LegacyTransport:
     """Bulk rows through the driver: the rollout returns them, the driver slices each rank's share and gathers results."""
 
+    partition_id: None = None  # the rollout returns its rows to the driver
+    client_factory: None = None  # workers open no store client
+
     def __init__(self) -> None:
         self._bytes = 0
-
-    @property
-    def partition_id(self) -> None:
-        return None
-
-    @property
-    def client_factory(self) -> None:
-        return None
 
     def admit(self, rows: StepRows, store_io: Mapping[str, float]) -> None:
         self._bytes += tensor_bytes(rows.batch)
@@ -241,19 +236,11 @@ class DataPlaneTransport:
         partition_id: str,
     ) -> None:
         self.client = client
-        self._factory = client_factory
-        self._partition = partition_id
+        self.client_factory: ClientFactory = client_factory
+        self.partition_id: str = partition_id
         self._open: dict[str, None] = {}  # keys written in the open step, in write order
         self._io = {"ms": 0.0, "bytes": 0.0}
         self._bytes = 0
-
-    @property
-    def partition_id(self) -> str:
-        return self._partition
-
-    @property
-    def client_factory(self) -> ClientFactory:
-        return self._factory
 
     def admit(self, rows: StepRows, store_io: Mapping[str, float]) -> None:
         self._open.update(dict.fromkeys(rows.meta.keys))
@@ -294,17 +281,17 @@ class DataPlaneTransport:
             driver_bytes=moved,
             store_ms=io["ms"],
             store_bytes=int(io["bytes"]),
-            keys_outstanding=len(self.client.list_keys(self._partition)),
+            keys_outstanding=len(self.client.list_keys(self.partition_id)),
         )
 
     def abort(self) -> None:
         self._clear(list(self._open))
 
     def _clear(self, keys: Sequence[str]) -> None:
-        stored = set(self.client.list_keys(self._partition))
+        stored = set(self.client.list_keys(self.partition_id))
         present = [k for k in keys if k in stored]
         if present:
-            self.client.clear(present, self._partition)
+            self.client.clear(present, self.partition_id)
         for key in keys:
             self._open.pop(key, None)
 

@@ -8,6 +8,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -360,15 +361,22 @@ def test_metrics_log_rejects_write_after_close(tmp_path: Path) -> None:
         log.write({"step": 1})
 
 
-def test_metrics_log_rejects_corrupt_existing_file(tmp_path: Path) -> None:
-    """Reopening a file with a bad line, or a record without a step, fails before appending."""
+@pytest.mark.parametrize(
+    ("reader", "text", "match"),
+    [
+        (MetricsLog, '{"step": 1}\n{"step": 2, "loss"\n', "line 2 must be one JSON object"),
+        (MetricsLog, '{"step": 1}\n{"loss": 0.5}\n', "record 1' must have an int 'step'"),
+        (read_metrics, '{"step": 1}\n{"step": 2\n', "line 2 must be one JSON object"),
+        (read_metrics, '{"step": 1}\n[1, 2]\n', "line 2 must be one JSON object: got list"),
+    ],
+    ids=["log-bad-json", "log-no-step", "read-bad-json", "read-not-an-object"],
+)
+def test_metrics_readers_name_the_bad_line(tmp_path: Path, reader: Any, text: str, match: str) -> None:
+    """Reopening (MetricsLog) or reading (read_metrics) a file with a bad line fails naming it, before appending."""
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1}\n{"step": 2, "loss"\n')
-    with pytest.raises(ValueError, match="line 2 must be one JSON object"):
-        MetricsLog(path)
-    path.write_text('{"step": 1}\n{"loss": 0.5}\n')
-    with pytest.raises(ValueError, match="record 1' must have an int 'step'"):
-        MetricsLog(path)
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        reader(path)
 
 
 def test_read_metrics_skips_blank_lines(tmp_path: Path) -> None:
@@ -378,12 +386,3 @@ def test_read_metrics_skips_blank_lines(tmp_path: Path) -> None:
     assert read_metrics(path) == [{"step": 1}, {"step": 2, "loss": None}]
 
 
-def test_read_metrics_names_the_bad_line(tmp_path: Path) -> None:
-    """A line that is not one JSON object raises naming its 1-based line number."""
-    path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1}\n{"step": 2\n')
-    with pytest.raises(ValueError, match="line 2 must be one JSON object"):
-        read_metrics(path)
-    path.write_text('{"step": 1}\n[1, 2]\n')
-    with pytest.raises(ValueError, match="line 2 must be one JSON object: got list"):
-        read_metrics(path)
