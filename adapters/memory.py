@@ -73,7 +73,7 @@ class MemoryStore(StoreAdapter):
         state = "closed" if self._closed else f"{len(self._partitions)} partitions"
         return f"MemoryStore({state})"
 
-    def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags):
+    def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags, require_stored):
         """Check, then copy every row into storage (see :class:`adapters.store_port.StoreAdapter`)."""
         self._check_open()
         receipt = validate_put(
@@ -83,6 +83,11 @@ class MemoryStore(StoreAdapter):
         columns = {name: split_column(name, value, n) for name, value in read_columns_of(fields).items()}
         with self._lock:
             self._check_open()
+            if require_stored:
+                stored = self._partitions.get(receipt.partition_id, {})
+                missing = [key for key in receipt.keys if key not in stored]
+                if missing:
+                    raise unknown_keys_error(receipt.partition_id, missing)
             partition = self._partitions.setdefault(receipt.partition_id, {})
             for i, key in enumerate(receipt.keys):
                 old = partition.get(key, _Entry())

@@ -68,13 +68,16 @@ class MemoryStoreActor:
 
     def put(
         self, keys: Keys, partition_id: str, fields: TensorDict, tags: Tags | None, sequence_lengths: SeqLens | None,
-        reserved_tags: Tags | None,
+        reserved_tags: Tags | None, require_stored: bool = False,
     ) -> KVBatchMeta:
         """:meth:`adapters.memory.MemoryStore.put`, or ``put_with_reserved_tags`` when ``reserved_tags`` is given."""
         if reserved_tags is None:
-            return self._store.put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+            return self._store.put(
+                keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, require_stored=require_stored
+            )
         return self._store.put_with_reserved_tags(
-            keys, partition_id, fields, reserved_tags=reserved_tags, tags=tags, sequence_lengths=sequence_lengths
+            keys, partition_id, fields, reserved_tags=reserved_tags, tags=tags, sequence_lengths=sequence_lengths,
+            require_stored=require_stored,
         )
 
     def get_with_tags(
@@ -202,7 +205,7 @@ class RayMemoryStore(StoreAdapter):
         """Whether ``close()`` kills the actor."""
         return self._owns_actor
 
-    def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags):
+    def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags, require_stored):
         """Check the arguments and every column here, then send them to the actor (see ``StoreAdapter``)."""
         self._check_open()
         receipt = validate_put(
@@ -211,7 +214,9 @@ class RayMemoryStore(StoreAdapter):
         for column, value in read_columns_of(fields).items():
             column_spec(column, value, len(receipt))
         lengths = receipt.sequence_lengths
-        return self._call(self._handle.put.remote(receipt.keys, partition_id, fields.detach(), tags, lengths, reserved_tags))
+        return self._call(
+            self._handle.put.remote(receipt.keys, partition_id, fields.detach(), tags, lengths, reserved_tags, require_stored)
+        )
 
     def _get(
         self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]

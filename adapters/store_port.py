@@ -58,9 +58,15 @@ class DataPlaneClient(Protocol):
 
     def put(
         self, keys: Keys, partition_id: str, fields: TensorDict, *, tags: Tags | None = None,
-        sequence_lengths: SeqLens | None = None,
+        sequence_lengths: SeqLens | None = None, require_stored: bool = False,
     ) -> KVBatchMeta:
-        """Write ``fields`` (batch size ``len(keys)``) under ``keys``; return the receipt."""
+        """Write ``fields`` (batch size ``len(keys)``) under ``keys``; return the receipt.
+
+        With ``require_stored`` every key must already be stored (a write-back
+        of results under the keys a first write stored): otherwise ``KeyError``
+        names the missing keys and nothing is written, checked in the same
+        store call as the write.
+        """
         ...
 
     def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
@@ -124,7 +130,7 @@ class ReservedTagPutClient(Protocol):
 
     def put_with_reserved_tags(
         self, keys: Keys, partition_id: str, fields: TensorDict, *, reserved_tags: Tags,
-        tags: Tags | None = None, sequence_lengths: SeqLens | None = None,
+        tags: Tags | None = None, sequence_lengths: SeqLens | None = None, require_stored: bool = False,
     ) -> KVBatchMeta:
         """``put``, also merging ``reserved_tags[i]`` (every name under :data:`RESERVED_TAG_PREFIX`)
         into key ``i``'s tags; the receipt's tags are the merged ones.
@@ -162,12 +168,15 @@ class StoreAdapter:
         *,
         tags: Tags | None = None,
         sequence_lengths: SeqLens | None = None,
+        require_stored: bool = False,
     ) -> KVBatchMeta:
         """Write ``fields`` (batch size ``len(keys)``) under ``keys`` in ``partition_id``.
 
         Each field of each key is replaced (last write wins); fields this put
         does not name are kept. ``tags[i]`` is merged into key ``i``'s tags;
-        ``sequence_lengths[i]`` replaces its length (omitted: kept).
+        ``sequence_lengths[i]`` replaces its length (omitted: kept). With
+        ``require_stored``, every key must already be stored, checked in the
+        same store call as the write.
 
         Returns:
             The receipt of :func:`validate_put`: ``fields`` lists the fields
@@ -181,15 +190,16 @@ class StoreAdapter:
             ValueError: keys repeat or are empty; the batch size differs from
                 the key count; tags or lengths are not 1:1 with keys; a tag
                 name is reserved (:data:`RESERVED_TAG_PREFIX`, or by the adapter).
+            KeyError: ``require_stored`` and some keys are not stored (nothing is written).
         """
-        return self._put(keys, partition_id, fields, tags, sequence_lengths, None)
+        return self._put(keys, partition_id, fields, tags, sequence_lengths, None, require_stored)
 
     def put_with_reserved_tags(
         self, keys: Keys, partition_id: str, fields: TensorDict, *, reserved_tags: Tags,
-        tags: Tags | None = None, sequence_lengths: SeqLens | None = None,
+        tags: Tags | None = None, sequence_lengths: SeqLens | None = None, require_stored: bool = False,
     ) -> KVBatchMeta:
         """See :meth:`ReservedTagPutClient.put_with_reserved_tags`."""
-        return self._put(keys, partition_id, fields, tags, sequence_lengths, reserved_tags)
+        return self._put(keys, partition_id, fields, tags, sequence_lengths, reserved_tags, require_stored)
 
     def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
         """Read ``select_fields`` of ``keys`` as a TensorDict of batch size ``len(keys)``, in request order.
@@ -266,8 +276,9 @@ class StoreAdapter:
         raise NotImplementedError(f"{type(self).__name__} must implement _check_open")
 
     def _put(self, keys: Keys, partition_id: str, fields: TensorDict, tags: Tags | None,
-             sequence_lengths: SeqLens | None, reserved_tags: Tags | None) -> KVBatchMeta:
-        """Check (``_check_open``, then ``validate_put(..., reserved_tags=reserved_tags)``) and write.
+             sequence_lengths: SeqLens | None, reserved_tags: Tags | None, require_stored: bool) -> KVBatchMeta:
+        """Check (``_check_open``, then ``validate_put(..., reserved_tags=reserved_tags)``) and write;
+        with ``require_stored``, raise :func:`unknown_keys_error` for keys not stored, writing nothing.
 
         The one hook that gets the caller's arguments unchecked: an adapter
         that forwards the put to another process (``adapters.ray_memory``)

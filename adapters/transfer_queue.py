@@ -159,7 +159,7 @@ class TransferQueueStore(StoreAdapter):
         """Whether ``close()`` shuts TransferQueue down."""
         return self._hold.owns_transfer_queue
 
-    def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags):
+    def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags, require_stored):
         """Check the put completely (the port's checks, then :func:`adapters.tq_wire.plan_put`), then write it (see
         :class:`adapters.store_port.StoreAdapter`); a TQ failure chains TQ's error and clears the keys it registered.
 
@@ -171,7 +171,9 @@ class TransferQueueStore(StoreAdapter):
         )
         plan = plan_put(receipt, fields, pad_rows=self._kv_backend)
         client = tq_system.client()
-        meta = client.kv_retrieve_meta(keys=list(plan.receipt.keys), partition_id=partition_id, create=True)
+        meta = client.kv_retrieve_meta(keys=list(plan.receipt.keys), partition_id=partition_id, create=not require_stored)
+        if require_stored:  # the same lookup that finds the keys tells which are missing: no extra round trip
+            self._check_found(client, plan.receipt.keys, partition_id, meta)
         fresh = new_keys(plan, meta.custom_meta)
         meta.update_custom_meta(tag_updates(plan, meta.custom_meta))
         try:

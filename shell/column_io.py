@@ -147,20 +147,11 @@ def write_columns(
     for name in token_fields:
         columns[name] = to_jagged(columns[name], lengths)  # type: ignore[arg-type]
     wire = build_tensordict(columns, len(meta))
-    _check_stored(client, meta)
-    client.put(meta.keys, meta.partition_id, wire)
-    return meta.with_fields(columns)
-
-
-def _check_stored(client: DataPlaneClient, meta: KVBatchMeta) -> None:
-    """Raise the store's ``KeyError`` (naming the partition and keys) if some of ``meta``'s keys are not stored.
-
-    One ``describe`` of the keys: a metadata lookup, no column is read.
-    """
     try:
-        client.describe(meta.keys, meta.partition_id)
+        client.put(meta.keys, meta.partition_id, wire, require_stored=True)
     except KeyError as error:
         raise KeyError(
             f"write_columns adds fields to stored keys only (first_write stores them), so it would leave orphan "
             f"keys: {error.args[0]}"
         ) from None
+    return meta.with_fields(columns)

@@ -242,6 +242,7 @@ class MeteredClient:
         *,
         tags: Tags | None = None,
         sequence_lengths: SeqLens | None = None,
+        require_stored: bool = False,
     ) -> KVBatchMeta:
         """Meter (and digest) a put; see ``DataPlaneClient.put``."""
         start = time.perf_counter()
@@ -260,10 +261,13 @@ class MeteredClient:
                 reserved_tags=[dict(zip(names, row)) for row in digests],
                 tags=tags,
                 sequence_lengths=sequence_lengths,
+                require_stored=require_stored,
             )
             receipt = attrs.evolve(receipt, tags=None if tags is None else _strip_digest_tags(receipt.tags))
         else:  # the inner put checks the user tags, rejecting reserved names
-            receipt = self.inner.put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+            receipt = self.inner.put(
+                keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, require_stored=require_stored
+            )
         # Per-key accounting is deferred to the next snapshot (see _settle), keeping a put O(fields);
         # only row sizes are kept, never the payload.
         self._pending.append(("put", partition_id, tuple(keys), [(name, _row_sizes(v, n)) for name, v in columns.items()]))

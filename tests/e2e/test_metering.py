@@ -300,6 +300,18 @@ def test_metered_client_rejects_reserved_field_names() -> None:
     assert client.list_keys("p") == ()
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_metered_client_put_passes_require_stored_through(verify: bool) -> None:
+    """A metered put with require_stored refuses unknown keys (writing nothing), with or without digests."""
+    client = MeteredClient(MemoryStore(), verify_integrity=verify)
+    client.put(["a"], "p", TensorDict({"x": torch.zeros(1)}, batch_size=[1]))
+    with pytest.raises(KeyError, match=r"not stored in partition 'p': \['b'\]"):
+        client.put(["a", "b"], "p", TensorDict({"y": torch.ones(2)}, batch_size=[2]), require_stored=True)
+    assert client.list_keys("p") == ("a",)
+    client.put(["a"], "p", TensorDict({"y": torch.ones(1)}, batch_size=[1]), require_stored=True)
+    assert client.get(["a"], "p", ["y"])["y"].tolist() == [1.0]
+
+
 def test_metered_client_passes_errors_through() -> None:
     """Errors of the inner client (unknown keys) reach the caller unchanged."""
     client = MeteredClient(MemoryStore(), verify_integrity=True)

@@ -110,6 +110,20 @@ def test_put_adds_fields_to_existing_keys(store: DataPlaneClient, partition: str
     assert jagged_lengths(got["logprobs"]) == (4, 1)
 
 
+def test_put_require_stored_writes_only_under_stored_keys(store: DataPlaneClient, partition: str) -> None:
+    """With require_stored a put to stored keys adds its field; one unknown key makes it raise and write nothing."""
+    store.put(["a", "b"], partition, TensorDict({"x": torch.tensor([1, 2])}, batch_size=[2]))
+    store.put(["b", "a"], partition, TensorDict({"y": torch.tensor([20, 10])}, batch_size=[2]), require_stored=True)
+    assert store.get(["a", "b"], partition, ["x", "y"])["y"].tolist() == [10, 20]
+    with pytest.raises(KeyError, match=rf"1 keys are not stored in partition '{partition}': \['ghost'\]"):
+        store.put(["a", "ghost"], partition, TensorDict({"z": torch.tensor([1, 2])}, batch_size=[2]), require_stored=True)
+    assert store.list_keys(partition) == ("a", "b")
+    assert store.describe(["a", "b"], partition).fields == ("x", "y")
+    with pytest.raises(KeyError, match="not stored"):
+        store.put(["n"], f"{partition}-empty", TensorDict({"z": torch.tensor([1])}, batch_size=[1]), require_stored=True)
+    assert store.list_keys(f"{partition}-empty") == ()
+
+
 def test_get_stacks_jagged_rows_from_different_puts(store: DataPlaneClient, partition: str) -> None:
     """Jagged rows of one field put by separate calls (different lengths) stack into one column."""
     store.put(["a"], partition, TensorDict({"j": to_jagged(torch.full((1, 5), 1.0), [5])}, batch_size=[1]))
