@@ -2,21 +2,18 @@
 
 One backend lives in each rank's process (e.g. a Ray policy worker); the caller
 has already initialised ``torch.distributed`` (gloo on CPU, NCCL on GPU). The
-backend lays megatron's model-parallel groups over that default group, builds a
-policy ``GPTModel`` (local layer spec, fp32, no dropout) wrapped in megatron's
-``DistributedDataParallel``, a frozen reference copy of the initial policy, and
-megatron's Adam.
-
-Rank layout: ``rank = ((pp * DP + dp) * CP + cp) * TP + tp`` (tensor parallel
-fastest, as :mod:`core.topology`). megatron's default order ``"tp-cp-ep-dp-pp"``
-lists axes fastest first and gives exactly this mapping (expert parallel is 1),
-so the backend passes it explicitly to pin the agreement.
+backend lays megatron's model-parallel groups over that default group and
+builds a policy ``GPTModel`` (:mod:`adapters.megatron_setup`, which also states
+the rank layout) wrapped in megatron's ``DistributedDataParallel``, a frozen
+reference copy of the initial policy, and megatron's Adam. Batches are checked
+and scored by :mod:`adapters.megatron_batch`; sampling is
+:mod:`adapters.megatron_generate`.
 
 Invariants:
   * every layout (any TP, PP) built with the same ``seed`` starts from the same
     model: weights are drawn once per parameter of the *full* model (TP=1, PP=1
     names) from a generator seeded by ``(seed, name)``, then sliced to the
-    rank's shard; replicas (DP ranks) are identical;
+    rank's shard (:mod:`adapters.megatron_weights`); replicas (DP ranks) are identical;
   * :meth:`~MegatronGPTBackend.logprobs` returns the same ``[B, S]`` tensor on
     every rank of a replica; position 0 and positions at or past a row's length
     are 0, position ``t`` holds ``log p(x_t | x_<t)``;
@@ -45,111 +42,35 @@ only on GPU machines; the tests here run the CPU path.
 from __future__ import annotations
 
 import contextlib
-import math
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.transformer.transformer_config import TransformerConfig
 
+from adapters import megatron_setup as setup
+from adapters import megatron_weights as weights
+from adapters.megatron_batch import check_batch, logprobs_from_ce, stage_forward, to_device
 from adapters.megatron_cpu import apply_cpu_shim, cpu_device_remap
+from adapters.megatron_generate import sample
+from adapters.model_port import Generation, LossFn, Metrics, MicroBatch, StateDict, TrainStepResult
+from core.model_config import TinyGPTConfig
 
-__all__ = ["LossFn", "MegatronGPTBackend", "MicroBatch", "StateDict", "TinyGPTConfig", "TrainStepResult"]
+__all__ = ["MegatronGPTBackend"]
 
-MicroBatch = Mapping[str, torch.Tensor]
-"""One micro-batch: ``input_ids`` (LongTensor[B, S]), ``lengths`` (LongTensor[B]), plus any fields ``loss_fn`` reads."""
-Metrics = dict[str, float]
-LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Mapping[str, Any]]]
-"""``loss_fn(logprobs FloatTensor[B, S], micro_batch) -> (scalar loss, metrics)``; metrics are scalars."""
-StateDict = dict[str, torch.Tensor]
-TrainStepResult = dict[str, Any]
-"""``{"loss": float, "grad_norm": float, "metrics": list[Metrics]}`` (one ``Metrics`` per micro-batch)."""
-
-_ORDER = "tp-cp-ep-dp-pp"
-_INIT_STD = 0.02
-_LAYER_PREFIX = "decoder.layers."
 _DEVICES = ("cpu", "cuda")
 
 
-def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"'{attribute.name}' must be int: got {type(value).__name__} ({value!r})")
-    if value < 1:
-        raise ValueError(f"'{attribute.name}' must be a positive int: got {value}")
-
-
-@attrs.frozen
-class TinyGPTConfig:
-    """Shape of the tiny GPT: learned absolute positions, LayerNorm, GELU MLP, untied output layer.
-
-    Raises:
-        TypeError: a size is not an int.
-        ValueError: a size is not positive, or ``hidden_size`` is not a multiple of ``num_attention_heads``.
-
-    Example:
-        >>> TinyGPTConfig(vocab_size=32, hidden_size=64, num_layers=2, num_attention_heads=4).ffn_hidden_size
-        256
-    """
-
-    vocab_size: int = attrs.field(default=32, validator=_positive_int)
-    hidden_size: int = attrs.field(default=64, validator=_positive_int)
-    num_layers: int = attrs.field(default=2, validator=_positive_int)
-    num_attention_heads: int = attrs.field(default=4, validator=_positive_int)
-    max_sequence_length: int = attrs.field(default=64, validator=_positive_int)
-    ffn_hidden_size: int = attrs.field(
-        default=attrs.Factory(lambda self: 4 * self.hidden_size, takes_self=True), validator=_positive_int
-    )
-
-    def __attrs_post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"'hidden_size' must be a multiple of 'num_attention_heads' ({self.num_attention_heads}): "
-                f"got {self.hidden_size}"
-            )
-
-
-def _int_arg(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"'{name}' must be int: got {type(value).__name__} ({value!r})")
-    return value
-
-
-def _check_divides(name: str, size: int, what: str, total: int) -> None:
-    if total % size:
-        raise ValueError(f"'{name}' ({size}) must divide {what}: got {what} = {total}")
-
-
-def _init_full_parameter(seed: int, name: str, shape: torch.Size, num_layers: int) -> torch.Tensor:
-    """Parameter ``name`` of the full model, drawn from a generator seeded by ``(seed, name)``.
-
-    megatron's init scheme: normal(0, 0.02) weights, output projections of each
-    layer scaled by ``1 / sqrt(2 * num_layers)``, zero biases, unit norm weights.
-    """
-    if name.endswith("layernorm.weight"):
-        return torch.ones(shape)
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
-    generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
-    std = _INIT_STD
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        std = _INIT_STD / math.sqrt(2.0 * num_layers)
-    return torch.randn(shape, generator=generator) * std
-
-
 class MegatronGPTBackend:
-    """A tiny-GPT policy (and frozen reference) on megatron-core with TP, PP and DP.
+    """A tiny-GPT policy (and frozen reference) on megatron-core with TP, PP and DP (a ``PolicyBackend``).
 
     Args:
         config: the model's shape.
@@ -189,10 +110,10 @@ class MegatronGPTBackend:
     ) -> None:
         if not isinstance(config, TinyGPTConfig):
             raise TypeError(f"'config' must be TinyGPTConfig: got {type(config).__name__}")
-        tp = _int_arg("tensor_parallel", tensor_parallel)
-        pp = _int_arg("pipeline_parallel", pipeline_parallel)
-        cp = _int_arg("context_parallel", context_parallel)
-        seed = _int_arg("seed", seed)
+        tp = setup.int_arg("tensor_parallel", tensor_parallel)
+        pp = setup.int_arg("pipeline_parallel", pipeline_parallel)
+        cp = setup.int_arg("context_parallel", context_parallel)
+        seed = setup.int_arg("seed", seed)
         for name, size in (("tensor_parallel", tp), ("pipeline_parallel", pp)):
             if size < 1:
                 raise ValueError(f"'{name}' must be a positive int: got {size}")
@@ -207,15 +128,15 @@ class MegatronGPTBackend:
             raise TypeError(f"'learning_rate' must be float: got {type(learning_rate).__name__} ({learning_rate!r})")
         if not learning_rate > 0:
             raise ValueError(f"'learning_rate' must be positive: got {learning_rate!r}")
-        _check_divides("tensor_parallel", tp, "num_attention_heads", config.num_attention_heads)
-        _check_divides("tensor_parallel", tp, "vocab_size", config.vocab_size)
-        _check_divides("pipeline_parallel", pp, "num_layers", config.num_layers)
+        setup.check_divides("tensor_parallel", tp, "num_attention_heads", config.num_attention_heads)
+        setup.check_divides("tensor_parallel", tp, "vocab_size", config.vocab_size)
+        setup.check_divides("pipeline_parallel", pp, "num_layers", config.num_layers)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed must be initialised before MegatronGPTBackend: "
                 "call dist.init_process_group('gloo' or 'nccl', rank=..., world_size=...) first"
             )
-        _check_divides("tensor_parallel * pipeline_parallel", tp * pp, "the world size", dist.get_world_size())
+        setup.check_divides("tensor_parallel * pipeline_parallel", tp * pp, "the world size", dist.get_world_size())
 
         self.config = config
         self.seed = seed
@@ -225,7 +146,7 @@ class MegatronGPTBackend:
         if device == "cpu":
             apply_cpu_shim()
         with self._device_scope():
-            self._init_parallel_state(tp, pp)
+            setup.init_parallel_state(tp, pp)
             self._tp_group = parallel_state.get_tensor_model_parallel_group()
             self._pp_group = parallel_state.get_pipeline_model_parallel_group()
             self._pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
@@ -243,10 +164,10 @@ class MegatronGPTBackend:
         torch.manual_seed(self.seed)
         if self.device.type == "cuda":
             model_parallel_cuda_manual_seed(self.seed)
-        initial = self._build_model(self._transformer_config_for(config, tp, pp))
-        self._full_names = self._canonical_names(initial)
-        self._load_full(initial, self._initial_state())
-        self._reference = self._build_model(self._transformer_config_for(config, tp, pp))
+        initial = setup.build_gpt(config, tp, pp, self.device)
+        self._full_names = weights.canonical_names(initial, tp, pp, self._pp_group)
+        weights.load_full(initial, weights.initial_state(self.seed, self._full_names, config.num_layers), tp)
+        self._reference = setup.build_gpt(config, tp, pp, self.device)
         self._reference.load_state_dict(initial.state_dict())
         self._reference.requires_grad_(False)
         self._reference.eval()
@@ -266,126 +187,12 @@ class MegatronGPTBackend:
 
     def parallel_coords(self) -> dict[str, int]:
         """This rank's coordinate on each axis of :data:`core.topology.AXES`, as megatron assigned it."""
-        return {
-            "pipeline_parallel": parallel_state.get_pipeline_model_parallel_rank(),
-            "data_parallel": parallel_state.get_data_parallel_rank(),
-            "context_parallel": parallel_state.get_context_parallel_rank(),
-            "tensor_parallel": parallel_state.get_tensor_model_parallel_rank(),
-        }
+        return setup.parallel_coords()
 
-    # -- set-up --------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _init_parallel_state(tp: int, pp: int) -> None:
-        if parallel_state.model_parallel_is_initialized():
-            got = (
-                parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size(),
-            )
-            if got != (tp, pp):
-                raise RuntimeError(
-                    f"megatron's model-parallel state is already set up with (tensor_parallel, pipeline_parallel) "
-                    f"= {got}: expected ({tp}, {pp}); call parallel_state.destroy_model_parallel() first"
-                )
-            return
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order=_ORDER
-        )
-
-    @staticmethod
-    def _transformer_config_for(config: TinyGPTConfig, tp: int, pp: int) -> TransformerConfig:
-        """megatron's config for one model; the policy's also carries its DDP hooks, so each model gets its own."""
-        return TransformerConfig(
-            num_layers=config.num_layers,
-            hidden_size=config.hidden_size,
-            num_attention_heads=config.num_attention_heads,
-            ffn_hidden_size=config.ffn_hidden_size,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            params_dtype=torch.float32,
-            pipeline_dtype=torch.float32,
-            # Weights are drawn on CPU (then replaced by the layout-free initial state).
-            use_cpu_initialization=True,
-            # Micro-batches may differ in shape: pipeline stages exchange each one's shape first.
-            variable_seq_lengths=True,
-            # Unused (no MoE); megatron rejects its default "allgather" with variable lengths.
-            moe_token_dispatcher_type="alltoall",
-        )
-
-    def _build_model(self, transformer_config: TransformerConfig) -> GPTModel:
-        model = GPTModel(
-            config=transformer_config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=self.config.vocab_size,
-            max_sequence_length=self.config.max_sequence_length,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=self._is_last_stage,
-            parallel_output=True,
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="learned_absolute",
-        )
-        return model.to(self.device)
-
-    def _global_name(self, model: GPTModel, local: str) -> str:
-        """``local`` under full-model (PP=1) names: layer indices made global."""
-        if not local.startswith(_LAYER_PREFIX):
-            return local
-        index, rest = local[len(_LAYER_PREFIX) :].split(".", 1)
-        layer = model.decoder.layers[int(index)]
-        return f"{_LAYER_PREFIX}{layer.layer_number - 1}.{rest}"
-
-    def _full_shape(self, param: torch.Tensor) -> torch.Size:
-        shape = list(param.shape)
-        if getattr(param, "tensor_model_parallel", False):
-            shape[param.partition_dim] *= self.tensor_parallel
-        return torch.Size(shape)
-
-    def _canonical_names(self, model: GPTModel) -> dict[str, torch.Size]:
-        """Full-model parameter name -> full shape, gathered over the pipeline stages."""
-        local = {self._global_name(model, n): self._full_shape(p) for n, p in model.named_parameters()}
-        stages: list[Any] = [None] * self.pipeline_parallel
-        dist.all_gather_object(stages, local, group=self._pp_group)
-        names: dict[str, torch.Size] = {}
-        for stage in stages:
-            names.update(stage)
-        return names
-
-    def _initial_state(self) -> StateDict:
-        return {
-            name: _init_full_parameter(self.seed, name, shape, self.config.num_layers)
-            for name, shape in sorted(self._full_names.items())
-        }
-
-    # -- state ---------------------------------------------------------------------------------------
-
-    def _load_full(self, model: GPTModel, state: Mapping[str, torch.Tensor]) -> None:
-        """Copy this rank's slice of the full-model ``state`` into ``model``."""
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        with torch.no_grad():
-            for local, param in model.named_parameters():
-                full = state[self._global_name(model, local)]
-                if getattr(param, "tensor_model_parallel", False):
-                    full = full.chunk(self.tensor_parallel, dim=param.partition_dim)[tp_rank]
-                param.copy_(full.to(param.device))
+    # -- state (layout-free: see adapters.megatron_weights) ------------------------------------------
 
     def _gather_full(self, model: GPTModel) -> StateDict:
-        """The full-model state: TP shards concatenated, stages merged; CPU tensors, on every rank."""
-        local: StateDict = {}
-        for name, param in model.named_parameters():
-            value = param.detach()
-            if getattr(param, "tensor_model_parallel", False) and self.tensor_parallel > 1:
-                shards = [torch.empty_like(value) for _ in range(self.tensor_parallel)]
-                dist.all_gather(shards, value.contiguous(), group=self._tp_group)
-                value = torch.cat(shards, dim=param.partition_dim)
-            local[self._global_name(model, name)] = value.cpu().clone()
-        stages: list[Any] = [None] * self.pipeline_parallel
-        dist.all_gather_object(stages, local, group=self._pp_group)
-        full: StateDict = {}
-        for stage in stages:
-            full.update(stage)
-        return dict(sorted(full.items()))
+        return weights.gather_full(model, self.tensor_parallel, self.pipeline_parallel, self._tp_group, self._pp_group)
 
     def state_dict(self) -> StateDict:
         """The policy's full weights under TP=1, PP=1 names (CPU tensors), the same on every rank.
@@ -407,79 +214,11 @@ class MegatronGPTBackend:
             TypeError: ``state`` is not a mapping of tensors.
             ValueError: a key is missing or unknown, or a tensor has the wrong shape.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"'state' must be a mapping of name -> tensor: got {type(state).__name__}")
-        missing = sorted(set(self._full_names) - set(state))
-        unknown = sorted(set(state) - set(self._full_names))
-        if missing or unknown:
-            raise ValueError(
-                f"'state' must have exactly the model's {len(self._full_names)} keys: "
-                f"missing {missing}, unknown {unknown}"
-            )
-        for name, shape in self._full_names.items():
-            value = state[name]
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"'state[{name!r}]' must be a tensor: got {type(value).__name__}")
-            if value.shape != shape:
-                raise ValueError(f"'state[{name!r}]' must have shape {tuple(shape)}: got {tuple(value.shape)}")
+        weights.check_full_state(state, self._full_names)
         with self._device_scope():
-            self._load_full(self._policy.module, state)
+            weights.load_full(self._policy.module, state, self.tensor_parallel)
 
-    # -- batches -------------------------------------------------------------------------------------
-
-    def _check_batch(self, input_ids: Any, lengths: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(input_ids, torch.Tensor):
-            raise TypeError(f"'{where}input_ids' must be a LongTensor[B, S]: got {type(input_ids).__name__}")
-        if input_ids.dtype != torch.long or input_ids.dim() != 2:
-            raise TypeError(
-                f"'{where}input_ids' must be a LongTensor[B, S]: "
-                f"got {input_ids.dtype} of shape {tuple(input_ids.shape)}"
-            )
-        batch, seq = input_ids.shape
-        if batch < 1:
-            raise ValueError(f"'{where}input_ids' must have at least one row: got shape {tuple(input_ids.shape)}")
-        if not 1 <= seq <= self.config.max_sequence_length:
-            raise ValueError(
-                f"'{where}input_ids' must have 1 to {self.config.max_sequence_length} positions: got {seq}"
-            )
-        if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
-            raise ValueError(
-                f"'{where}input_ids' must lie in [0, {self.config.vocab_size}): "
-                f"got values in [{int(input_ids.min())}, {int(input_ids.max())}]"
-            )
-        lengths = torch.as_tensor(lengths)
-        if lengths.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"'{where}lengths' must be an int tensor: got {lengths.dtype}")
-        if lengths.shape != (batch,):
-            raise ValueError(
-                f"'{where}lengths' must have shape ({batch},) (one per row): got {tuple(lengths.shape)}"
-            )
-        if lengths.min() < 1 or lengths.max() > seq:
-            raise ValueError(f"'{where}lengths' must lie in [1, {seq}]: got {lengths.tolist()}")
-        return input_ids, lengths.to(torch.long)
-
-    def _to_device(self, micro_batch: MicroBatch) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in micro_batch.items()}
-
-    @staticmethod
-    def _forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Stage output: hidden states, or on the last stage per-token cross entropy ``[B, S]``.
-
-        Labels are the inputs shifted left, so ``out[:, t]`` is ``-log p(x_{t+1} | x_<=t)``;
-        the wrapped-around last label only touches ``out[:, -1]``, which is dropped.
-        """
-        input_ids = batch["input_ids"]
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        labels = torch.roll(input_ids, shifts=-1, dims=1)
-        return model(input_ids, positions, None, labels=labels)
-
-    @staticmethod
-    def _logprobs_from_ce(cross_entropy: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Per-token log-probs ``[B, S]`` from next-token cross entropy; 0 at position 0 and past each length."""
-        logprobs = torch.nn.functional.pad(-cross_entropy[:, :-1], (1, 0))
-        positions = torch.arange(logprobs.shape[1], device=logprobs.device)
-        valid = (positions >= 1) & (positions < lengths.to(logprobs.device)[:, None])
-        return torch.where(valid, logprobs, torch.zeros_like(logprobs))
+    # -- the schedule --------------------------------------------------------------------------------
 
     def _run(
         self,
@@ -494,7 +233,7 @@ class MegatronGPTBackend:
 
         def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], module: torch.nn.Module) -> Any:
             batch = next(data_iterator)
-            return self._forward(module, batch), partial(loss_func, batch)
+            return stage_forward(module, batch), partial(loss_func, batch)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -519,11 +258,11 @@ class MegatronGPTBackend:
         return torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else None
 
     def _logprobs(self, model: torch.nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        input_ids, lengths = self._check_batch(input_ids, lengths, "")
-        batch = self._to_device({"input_ids": input_ids, "lengths": lengths})
+        input_ids, lengths = check_batch(self.config, input_ids, lengths, "")
+        batch = to_device({"input_ids": input_ids, "lengths": lengths}, self.device)
 
         def collect(micro_batch: dict[str, torch.Tensor], output: torch.Tensor, non_loss_data: bool = False) -> Any:
-            return self._logprobs_from_ce(output, micro_batch["lengths"]).detach()
+            return logprobs_from_ce(output, micro_batch["lengths"]).detach()
 
         was_training = model.training
         model.eval()
@@ -569,7 +308,7 @@ class MegatronGPTBackend:
         generator: torch.Generator,
         temperature: float = 1.0,
         vocab_limit: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> Generation:
         """Sample continuations of right-padded prompts from the policy (no KV cache: one full forward per token).
 
         Row ``b`` continues ``prompt_ids[b, :prompt_lengths[b]]`` with up to
@@ -577,7 +316,9 @@ class MegatronGPTBackend:
         with ``generator``, and stops after ``eos_id``. Causal attention makes
         the padding to the right of a row invisible to it, so rows of different
         lengths share each forward. The same weights, prompts and generator
-        state give the same tokens.
+        state give the same tokens. The entropy of each drawn token's
+        distribution is read off the same probabilities and draws nothing, so
+        it changes no token and no generator state.
 
         Args:
             prompt_ids: LongTensor[B, P], right-padded prompts.
@@ -591,9 +332,11 @@ class MegatronGPTBackend:
                 the model's padded vocabulary); None: the whole vocabulary.
 
         Returns:
-            ``(sequences, lengths)``: LongTensor[B, L] (prompt then response,
-            0 past each row's length) and LongTensor[B] (prompt plus response
-            tokens, the EOS included).
+            a :class:`Generation`: ``sequences`` LongTensor[B, L] (prompt then
+            response, 0 past each row's length), ``lengths`` LongTensor[B]
+            (prompt plus response tokens, the EOS included), ``entropy``
+            DoubleTensor[B] (per row, the summed entropy of its response
+            tokens' sampling distributions, in nats).
 
         Raises:
             ValueError: the backend is tensor- or pipeline-parallel (a rollout
@@ -605,50 +348,12 @@ class MegatronGPTBackend:
                 "'generate' needs tensor_parallel = pipeline_parallel = 1 (the rollout engine is one rank): "
                 f"got ({self.tensor_parallel}, {self.pipeline_parallel})"
             )
-        max_new_tokens = _int_arg("max_new_tokens", max_new_tokens)
-        if max_new_tokens < 1:
-            raise ValueError(f"'max_new_tokens' must be >= 1: got {max_new_tokens}")
-        if not (isinstance(temperature, (int, float)) and temperature > 0):
-            raise ValueError(f"'temperature' must be a number > 0: got {temperature!r}")
-        if vocab_limit is not None and not 1 <= _int_arg("vocab_limit", vocab_limit) <= self.config.vocab_size:
-            raise ValueError(f"'vocab_limit' must be in [1, {self.config.vocab_size}]: got {vocab_limit}")
-        prompt_ids, prompt_lengths = self._check_batch(prompt_ids, prompt_lengths, "prompt ")
-        width = prompt_ids.shape[1] + max_new_tokens
-        if width > self.config.max_sequence_length:
-            raise ValueError(
-                f"'max_new_tokens' ({max_new_tokens}) plus the prompt width ({prompt_ids.shape[1]}) must be at most "
-                f"max_sequence_length = {self.config.max_sequence_length}: got {width}"
+        with self._device_scope():
+            return sample(
+                self._policy.module, self.config, prompt_ids, prompt_lengths, device=self.device,
+                max_new_tokens=max_new_tokens, eos_id=eos_id, generator=generator,
+                temperature=temperature, vocab_limit=vocab_limit,
             )
-        rows = prompt_ids.shape[0]
-        sequences = torch.zeros(rows, width, dtype=torch.long)
-        sequences[:, : prompt_ids.shape[1]] = prompt_ids
-        lengths = prompt_lengths.clone()
-        done = torch.zeros(rows, dtype=torch.bool)
-        index = torch.arange(rows)
-        model = self._policy.module
-        was_training = model.training
-        model.eval()
-        try:
-            with self._device_scope(), torch.no_grad():
-                for _ in range(max_new_tokens):
-                    span = int(lengths.max())
-                    tokens = sequences[:, :span].to(self.device)
-                    positions = torch.arange(span, device=self.device).expand_as(tokens)
-                    logits = model(tokens, positions, None)  # [B, span, V]
-                    last = logits[index, lengths - 1].float().cpu() / temperature
-                    if vocab_limit is not None:
-                        last[:, vocab_limit:] = -math.inf
-                    probs = torch.softmax(last, dim=-1)
-                    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-                    live = ~done
-                    sequences[index[live], lengths[live]] = drawn[live]
-                    lengths = lengths + live.long()
-                    done = done | (live & (drawn == eos_id))
-                    if bool(done.all()):
-                        break
-        finally:
-            model.train(was_training)
-        return sequences[:, : int(lengths.max())], lengths
 
     # -- training ------------------------------------------------------------------------------------
 
@@ -690,13 +395,13 @@ class MegatronGPTBackend:
             if not isinstance(micro_batch, Mapping) or "input_ids" not in micro_batch or "lengths" not in micro_batch:
                 got = sorted(micro_batch) if isinstance(micro_batch, Mapping) else type(micro_batch).__name__
                 raise ValueError(f"'micro_batches[{i}]' must map 'input_ids' and 'lengths' to tensors: got {got}")
-            input_ids, lengths = self._check_batch(
-                micro_batch["input_ids"], micro_batch["lengths"], f"micro_batches[{i}]."
+            input_ids, lengths = check_batch(
+                self.config, micro_batch["input_ids"], micro_batch["lengths"], f"micro_batches[{i}]."
             )
-            batches.append(self._to_device({**micro_batch, "input_ids": input_ids, "lengths": lengths}))
+            batches.append(to_device({**micro_batch, "input_ids": input_ids, "lengths": lengths}, self.device))
 
         def loss_func(micro_batch: dict[str, torch.Tensor], output: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
-            logprobs = self._logprobs_from_ce(output, micro_batch["lengths"])
+            logprobs = logprobs_from_ce(output, micro_batch["lengths"])
             result = loss_fn(logprobs, micro_batch)
             if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
                 raise TypeError(f"'loss_fn' must return (scalar loss, metrics dict): got {type(result).__name__}")

@@ -6,7 +6,7 @@ across puts, as TransferQueue merges them) and its sequence length. It is the
 reference adapter: the contract suite (``tests/e2e/test_store_contract.py``)
 runs against it and every other adapter alike.
 
-Invariants (the port's semantics, see :mod:`shell.dataplane`):
+Invariants (the port's semantics, see :mod:`adapters.store_port`):
   * a put or clear is all or nothing: arguments and every column are checked
     before storage changes, so a rejected call writes (or removes) nothing;
   * the store never aliases a caller's data: rows are copied on ``put`` and
@@ -23,26 +23,23 @@ keys (fields, merged tags, lengths) as a :class:`core.meta.KVBatchMeta`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 from tensordict import TensorDict
 
 from adapters.rows import ColumnSpec, build_tensordict, common_spec, read_columns_of, split_column, stack_column
-from core.frozen import FrozenDict
-from core.meta import KVBatchMeta
-from shell.dataplane import (
-    Keys,
-    SeqLens,
-    Tags,
+from adapters.store_port import (
+    StoreAdapter,
     missing_field_error,
     pick_tags,
+    stored_meta,
     unknown_keys_error,
-    validate_get,
     validate_put,
-    validate_tag_names,
 )
+from core.frozen import FrozenDict
+from core.meta import KVBatchMeta
 
 StoredRow = tuple[ColumnSpec, Any]
 
@@ -56,8 +53,8 @@ class _Entry:
     sequence_length: int | None = None
 
 
-class MemoryStore:
-    """An in-process :class:`shell.dataplane.DataPlaneClient`; thread-safe.
+class MemoryStore(StoreAdapter):
+    """An in-process :class:`adapters.store_port.DataPlaneClient`; thread-safe.
 
     Example:
         >>> import torch
@@ -76,39 +73,21 @@ class MemoryStore:
         state = "closed" if self._closed else f"{len(self._partitions)} partitions"
         return f"MemoryStore({state})"
 
-    def put(
-        self,
-        keys: Keys,
-        partition_id: str,
-        fields: TensorDict,
-        *,
-        tags: Tags | None = None,
-        sequence_lengths: SeqLens | None = None,
-    ) -> KVBatchMeta:
-        """Write ``fields`` (batch size ``len(keys)``) under ``keys`` in ``partition_id``.
-
-        Each field of each key is replaced (last write wins); fields this put
-        does not name are kept. ``tags[i]`` is merged into key ``i``'s tags;
-        ``sequence_lengths[i]`` replaces its length (omitted: kept).
-
-        Returns:
-            The receipt of :func:`shell.dataplane.validate_put`: ``fields`` lists
-            the fields *this put* wrote, ``tags`` and ``sequence_lengths`` are
-            the ones passed (not merged). Use :meth:`describe` for what is stored.
-
-        Raises:
-            RuntimeError: the store is closed.
-            TypeError: ``fields`` is not a TensorDict, or a column is of an
-                unsupported kind (see :func:`adapters.rows.split_column`).
-            ValueError: keys repeat or are empty; the batch size differs from
-                the key count; tags or lengths are not 1:1 with keys.
-        """
+    def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags, require_stored):
+        """Check, then copy every row into storage (see :class:`adapters.store_port.StoreAdapter`)."""
         self._check_open()
-        receipt = validate_put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+        receipt = validate_put(
+            keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, reserved_tags=reserved_tags
+        )
         n = len(receipt)
         columns = {name: split_column(name, value, n) for name, value in read_columns_of(fields).items()}
         with self._lock:
             self._check_open()
+            if require_stored:
+                stored = self._partitions.get(receipt.partition_id, {})
+                missing = [key for key in receipt.keys if key not in stored]
+                if missing:
+                    raise unknown_keys_error(receipt.partition_id, missing)
             partition = self._partitions.setdefault(receipt.partition_id, {})
             for i, key in enumerate(receipt.keys):
                 old = partition.get(key, _Entry())
@@ -121,37 +100,10 @@ class MemoryStore:
                 )
         return receipt
 
-    def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
-        """Read ``select_fields`` of ``keys`` as a TensorDict of batch size ``len(keys)``, in request order.
-
-        Each field comes back in the kind it was put (dense, jagged, object
-        array, NonTensorStack), as fresh data the store does not share.
-
-        Raises:
-            RuntimeError: the store is closed.
-            TypeError: ``select_fields`` is a single string.
-            ValueError: keys repeat or are empty; no field is selected; a field
-                was put with different layouts for the requested keys.
-            KeyError: some keys are not stored (never put, or cleared); a
-                selected field is missing for some keys (names the field and keys).
-        """
-        return self._get(keys, partition_id, select_fields, ())[0]
-
-    def get_with_tags(
-        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
-    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
-        """:meth:`get` plus, per key, the tags of ``tag_names`` it holds, read under one lock hold.
-
-        Raises:
-            Whatever :meth:`get` raises; ``TypeError`` if ``tag_names`` is a single string.
-        """
-        return self._get(keys, partition_id, select_fields, validate_tag_names(tag_names))
-
     def _get(
-        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: tuple[str, ...]
+        self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]
     ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
-        self._check_open()
-        keys, names = validate_get(keys, partition_id, select_fields)
+        """The rows and tags under one lock hold; the columns are built after it, as fresh data."""
         with self._lock:
             self._check_open()
             entries = self._entries(keys, partition_id)
@@ -168,20 +120,7 @@ class MemoryStore:
             columns[name] = stack_column(name, spec, [row for _, row in stored.values()])
         return build_tensordict(columns, len(keys)), tags
 
-    def clear(self, keys: Keys, partition_id: str) -> None:
-        """Remove ``keys`` (all their fields, tags and lengths) from ``partition_id``.
-
-        Exact and atomic: only these keys go, and if any of them is not stored
-        nothing is removed. Clearing no keys does nothing.
-
-        Raises:
-            RuntimeError: the store is closed.
-            TypeError: ``keys`` is a single string.
-            ValueError: keys repeat or are empty strings.
-            KeyError: some keys are not stored in ``partition_id``.
-        """
-        self._check_open()
-        keys = KVBatchMeta(partition_id, keys).keys
+    def _clear(self, keys: tuple[str, ...], partition_id: str) -> None:
         with self._lock:
             self._check_open()
             partition = self._partitions.get(partition_id, {})
@@ -193,43 +132,20 @@ class MemoryStore:
             if not partition:
                 self._partitions.pop(partition_id, None)
 
-    def list_keys(self, partition_id: str) -> tuple[str, ...]:
-        """The keys stored in ``partition_id``, in the order they were first put (empty if unknown).
-
-        Raises:
-            RuntimeError: the store is closed.
-            TypeError: ``partition_id`` is not a str.
-        """
-        self._check_open()
-        if not isinstance(partition_id, str):
-            raise TypeError(f"'partition_id' must be a str: got {type(partition_id).__name__}")
+    def _list_keys(self, partition_id: str) -> tuple[str, ...]:
         with self._lock:
             return tuple(self._partitions.get(partition_id, {}))
 
-    def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta:
-        """What is stored for ``keys``: a meta whose ``fields`` every key holds (first-put order),
-        ``tags`` the merged tags of each key, and ``sequence_lengths`` when every key has one.
-
-        Raises:
-            RuntimeError: the store is closed.
-            ValueError: keys repeat or are empty.
-            KeyError: some keys are not stored.
-        """
-        self._check_open()
-        keys = KVBatchMeta(partition_id, keys).keys
-        if not keys:
-            raise ValueError("'keys' must name at least one row: got none")
+    def _describe(self, keys: tuple[str, ...], partition_id: str) -> KVBatchMeta:
         with self._lock:
             self._check_open()
             entries = self._entries(keys, partition_id)
-        names = dict.fromkeys(name for entry in entries for name in entry.fields)
-        lengths = [entry.sequence_length for entry in entries]
-        return KVBatchMeta(
-            partition_id,
+        return stored_meta(
             keys,
-            fields=[name for name in names if all(name in entry.fields for entry in entries)],
-            tags=[entry.tags for entry in entries],
-            sequence_lengths=None if None in lengths else lengths,
+            partition_id,
+            [entry.fields for entry in entries],
+            [entry.tags for entry in entries],
+            [entry.sequence_length for entry in entries],
         )
 
     def close(self) -> None:
@@ -237,10 +153,6 @@ class MemoryStore:
         with self._lock:
             self._closed = True
             self._partitions.clear()
-
-    def as_async(self) -> AsyncMemoryStore:
-        """An :class:`AsyncMemoryStore` over this store's storage (closing either closes both)."""
-        return AsyncMemoryStore(self)
 
     def _entries(self, keys: tuple[str, ...], partition_id: str) -> list[_Entry]:
         partition = self._partitions.get(partition_id, {})
@@ -253,69 +165,3 @@ class MemoryStore:
         if self._closed:
             raise RuntimeError("MemoryStore is closed: create a new one, e.g. store = MemoryStore()")
 
-
-class AsyncMemoryStore:
-    """An :class:`shell.dataplane.AsyncDataPlaneClient` over a :class:`MemoryStore`.
-
-    Each coroutine runs the synchronous operation inline (in-memory work never
-    blocks on I/O), with exactly its semantics and errors.
-
-    Args:
-        store: the store to wrap (a fresh one when omitted).
-
-    Raises:
-        TypeError: ``store`` is not a ``MemoryStore``.
-
-    Example:
-        >>> import asyncio
-        >>> store = MemoryStore().as_async()
-        >>> asyncio.run(store.list_keys("train"))
-        ()
-    """
-
-    def __init__(self, store: MemoryStore | None = None) -> None:
-        if store is None:
-            store = MemoryStore()
-        if not isinstance(store, MemoryStore):
-            raise TypeError(f"'store' must be a MemoryStore: got {type(store).__name__}")
-        self._store = store
-
-    def __repr__(self) -> str:
-        return f"AsyncMemoryStore({self._store!r})"
-
-    @property
-    def sync(self) -> MemoryStore:
-        """The wrapped synchronous store."""
-        return self._store
-
-    async def put(
-        self,
-        keys: Keys,
-        partition_id: str,
-        fields: TensorDict,
-        *,
-        tags: Tags | None = None,
-        sequence_lengths: SeqLens | None = None,
-    ) -> KVBatchMeta:
-        """See :meth:`MemoryStore.put`."""
-        return self._store.put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
-
-    async def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
-        """See :meth:`MemoryStore.get`."""
-        return self._store.get(keys, partition_id, select_fields)
-
-    async def clear(self, keys: Keys, partition_id: str) -> None:
-        """See :meth:`MemoryStore.clear`."""
-        self._store.clear(keys, partition_id)
-
-    async def list_keys(self, partition_id: str) -> tuple[str, ...]:
-        """See :meth:`MemoryStore.list_keys`."""
-        return self._store.list_keys(partition_id)
-
-    async def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta:
-        """See :meth:`MemoryStore.describe`."""
-        return self._store.describe(keys, partition_id)
-
-    async def close(self) -> None:
-        """See :meth:`MemoryStore.close`."""
-        self._store.close()

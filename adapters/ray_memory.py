@@ -9,15 +9,15 @@ call to it. :meth:`RayMemoryStore.start` creates the actor and owns it;
 and never stops it, so ``functools.partial(RayMemoryStore.attach, store.name)``
 is a picklable client factory for workers.
 
-Invariants (the port's semantics, see :mod:`shell.dataplane`, checked by
+Invariants (the port's semantics, see :mod:`adapters.store_port`, checked by
 ``tests/e2e/test_store_contract.py``):
   * the semantics are exactly ``MemoryStore``'s: shape-faithful round trips
     (Ray pickles the TensorDicts both ways, object columns included), all or
     nothing puts and clears, exact clears, no aliasing (data is copied across
     processes);
-  * a put's or get's arguments and every put column are checked in the caller's
-    process before any remote call, so a rejected put writes nothing and sends
-    nothing;
+  * every call's arguments, and every put column, are checked in the caller's
+    process before any remote call (:class:`adapters.store_port.StoreAdapter`),
+    so a rejected call sends nothing and a rejected put writes nothing;
   * an error the ``MemoryStore`` raises in the actor reaches the caller as that
     exception (same type, same message), never as a ``RayTaskError``;
   * after ``close()`` every call but ``close()`` raises ``RuntimeError``; only
@@ -42,9 +42,10 @@ from ray.exceptions import RayActorError, RayTaskError
 from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
+from adapters.ray_actors import named_actor_exists
 from adapters.rows import column_spec, read_columns_of
+from adapters.store_port import Keys, SeqLens, StoreAdapter, Tags, validate_put
 from core.meta import KVBatchMeta
-from shell.dataplane import Keys, SeqLens, Tags, validate_get, validate_put, validate_tag_names
 
 NAMESPACE = "rl-dataplane-memory"
 """The Ray namespace the store actors are named in (any driver of the cluster finds them there)."""
@@ -66,20 +67,18 @@ class MemoryStoreActor:
         return True
 
     def put(
-        self,
-        keys: Keys,
-        partition_id: str,
-        fields: TensorDict,
-        *,
-        tags: Tags | None = None,
-        sequence_lengths: SeqLens | None = None,
+        self, keys: Keys, partition_id: str, fields: TensorDict, tags: Tags | None, sequence_lengths: SeqLens | None,
+        reserved_tags: Tags | None, require_stored: bool = False,
     ) -> KVBatchMeta:
-        """See :meth:`adapters.memory.MemoryStore.put`."""
-        return self._store.put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
-
-    def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
-        """See :meth:`adapters.memory.MemoryStore.get`."""
-        return self._store.get(keys, partition_id, select_fields)
+        """:meth:`adapters.memory.MemoryStore.put`, or ``put_with_reserved_tags`` when ``reserved_tags`` is given."""
+        if reserved_tags is None:
+            return self._store.put(
+                keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, require_stored=require_stored
+            )
+        return self._store.put_with_reserved_tags(
+            keys, partition_id, fields, reserved_tags=reserved_tags, tags=tags, sequence_lengths=sequence_lengths,
+            require_stored=require_stored,
+        )
 
     def get_with_tags(
         self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
@@ -108,18 +107,11 @@ def is_running(name: str) -> bool:
     Raises:
         TypeError: ``name`` is not a str.
     """
-    _check_name(name)
-    if not ray.is_initialized():
-        return False
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        return False
-    return True
+    return named_actor_exists(_check_name(name), NAMESPACE)
 
 
-class RayMemoryStore:
-    """A :class:`shell.dataplane.DataPlaneClient` over a :class:`MemoryStoreActor`; thread-safe.
+class RayMemoryStore(StoreAdapter):
+    """A :class:`adapters.store_port.DataPlaneClient` over a :class:`MemoryStoreActor`; thread-safe.
 
     Build one with :meth:`start` (creates and owns the actor) or :meth:`attach`
     (joins it by name); the constructor only records the handle and ownership.
@@ -213,101 +205,31 @@ class RayMemoryStore:
         """Whether ``close()`` kills the actor."""
         return self._owns_actor
 
-    def put(
-        self,
-        keys: Keys,
-        partition_id: str,
-        fields: TensorDict,
-        *,
-        tags: Tags | None = None,
-        sequence_lengths: SeqLens | None = None,
-    ) -> KVBatchMeta:
-        """Write ``fields`` under ``keys``; see :meth:`adapters.memory.MemoryStore.put`.
-
-        Arguments and every column are checked here before anything is sent.
-
-        Returns:
-            The receipt of :func:`shell.dataplane.validate_put`.
-
-        Raises:
-            RuntimeError: the client is closed, or the actor is gone.
-            TypeError: ``fields`` is not a TensorDict, or a column is of an
-                unsupported kind (see :func:`adapters.rows.column_spec`).
-            ValueError: keys repeat or are empty; the batch size differs from
-                the key count; tags or lengths are not 1:1 with keys.
-        """
+    def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags, require_stored):
+        """Check the arguments and every column here, then send them to the actor (see ``StoreAdapter``)."""
         self._check_open()
-        receipt = validate_put(keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths)
+        receipt = validate_put(
+            keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, reserved_tags=reserved_tags
+        )
         for column, value in read_columns_of(fields).items():
             column_spec(column, value, len(receipt))
+        lengths = receipt.sequence_lengths
         return self._call(
-            self._handle.put.remote(
-                receipt.keys,
-                receipt.partition_id,
-                fields.detach(),
-                tags=receipt.tags,
-                sequence_lengths=receipt.sequence_lengths,
-            )
+            self._handle.put.remote(receipt.keys, partition_id, fields.detach(), tags, lengths, reserved_tags, require_stored)
         )
 
-    def get(self, keys: Keys, partition_id: str, select_fields: Sequence[str]) -> TensorDict:
-        """Read ``select_fields`` of ``keys``, in request order; see :meth:`adapters.memory.MemoryStore.get`.
-
-        Raises:
-            RuntimeError: the client is closed, or the actor is gone.
-            TypeError: ``select_fields`` is a single string.
-            ValueError: keys repeat or are empty; no field is selected; a field
-                was put with different layouts for the requested keys.
-            KeyError: some keys are not stored; a selected field is missing for some keys.
-        """
-        self._check_open()
-        keys, names = validate_get(keys, partition_id, select_fields)
-        return self._call(self._handle.get.remote(keys, partition_id, names))
-
-    def get_with_tags(
-        self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
+    def _get(
+        self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]
     ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
-        """:meth:`get` plus, per key, the tags of ``tag_names`` it holds, in one actor call.
-
-        Raises:
-            Whatever :meth:`get` raises; ``TypeError`` if ``tag_names`` is a single string.
-        """
-        self._check_open()
-        keys, names = validate_get(keys, partition_id, select_fields)
-        tag_names = validate_tag_names(tag_names)
         return self._call(self._handle.get_with_tags.remote(keys, partition_id, names, tag_names))
 
-    def clear(self, keys: Keys, partition_id: str) -> None:
-        """Remove ``keys`` from ``partition_id``, exactly and atomically; see :meth:`adapters.memory.MemoryStore.clear`.
-
-        Raises:
-            RuntimeError: the client is closed, or the actor is gone.
-            TypeError: ``keys`` is a single string.
-            ValueError: keys repeat or are empty strings.
-            KeyError: some keys are not stored in ``partition_id``.
-        """
-        self._check_open()
+    def _clear(self, keys: tuple[str, ...], partition_id: str) -> None:
         self._call(self._handle.clear.remote(keys, partition_id))
 
-    def list_keys(self, partition_id: str) -> tuple[str, ...]:
-        """The keys stored in ``partition_id``, in first-put order (empty if unknown).
-
-        Raises:
-            RuntimeError: the client is closed, or the actor is gone.
-            TypeError: ``partition_id`` is not a str.
-        """
-        self._check_open()
+    def _list_keys(self, partition_id: str) -> tuple[str, ...]:
         return self._call(self._handle.list_keys.remote(partition_id))
 
-    def describe(self, keys: Keys, partition_id: str) -> KVBatchMeta:
-        """What is stored for ``keys``; see :meth:`adapters.memory.MemoryStore.describe`.
-
-        Raises:
-            RuntimeError: the client is closed, or the actor is gone.
-            ValueError: keys repeat or are empty.
-            KeyError: some keys are not stored.
-        """
-        self._check_open()
+    def _describe(self, keys: tuple[str, ...], partition_id: str) -> KVBatchMeta:
         return self._call(self._handle.describe.remote(keys, partition_id))
 
     def close(self) -> None:

@@ -26,11 +26,12 @@ builds a jagged tensor with no rows).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import torch
+
+from core.checks import check_int_entries
 
 Layout = Literal["padded", "jagged"]
 RowLengths = tuple[int, ...]
@@ -363,11 +364,10 @@ def _row_lengths(jagged: torch.Tensor) -> torch.Tensor:
 
 
 def _lengths_tuple(lengths: Any) -> RowLengths:
-    out = _int_entries(lengths)
-    for row, value in enumerate(out):
-        if value < 0:
-            raise ValueError(f"'lengths' entries must be >= 0: row {row} has length {value}")
-    return tuple(out)
+    if isinstance(lengths, torch.Tensor):
+        _check_lengths_tensor(lengths)
+        lengths = lengths.tolist()
+    return check_int_entries("lengths", lengths, minimum=0)
 
 
 def _lengths_tensor(lengths: Any, n: int, device: torch.device, arg: str) -> torch.Tensor:
@@ -377,31 +377,10 @@ def _lengths_tensor(lengths: Any, n: int, device: torch.device, arg: str) -> tor
         if lengths.shape[0] != n:
             raise ValueError(f"'lengths' must have {n} entries (one per row of {arg}): got {lengths.shape[0]}")
         return lengths.to(device=device, dtype=torch.int64)
-    entries = _int_entries(lengths)
+    entries = check_int_entries("lengths", lengths)
     if len(entries) != n:
         raise ValueError(f"'lengths' must have {n} entries (one per row of {arg}): got {len(entries)}")
     return torch.tensor(entries, dtype=torch.int64, device=device)
-
-
-def _int_entries(lengths: Any) -> list[int]:
-    if isinstance(lengths, torch.Tensor):
-        _check_lengths_tensor(lengths)
-        return [int(x) for x in lengths.tolist()]
-    if isinstance(lengths, (str, bytes)):
-        raise TypeError(f"'lengths' must be a sequence of ints: got {type(lengths).__name__}")
-    try:
-        entries = list(lengths)
-    except TypeError:
-        raise TypeError(f"'lengths' must be a sequence of ints: got {type(lengths).__name__}") from None
-    out = []
-    for row, length in enumerate(entries):
-        if isinstance(length, bool):
-            raise TypeError(f"'lengths' entries must be int: got bool for row {row}")
-        try:
-            out.append(operator.index(length))
-        except TypeError:
-            raise TypeError(f"'lengths' entries must be int: got {type(length).__name__} for row {row}") from None
-    return out
 
 
 def _check_lengths_tensor(lengths: torch.Tensor) -> None:

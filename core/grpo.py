@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import attrs
 import torch
 from torch import Tensor
+
+from core.checks import check_int_entries
 
 Rewards = Tensor  # [N] floating: one scalar reward per row
 GroupIds = Tensor | Sequence[int]  # [N] integer: rows with equal ids form a group
@@ -75,16 +76,7 @@ def _check_group_ids(group_ids: Any, rewards: Rewards) -> Tensor:
             )
         ids = group_ids.to(device=rewards.device, dtype=torch.int64)
     elif isinstance(group_ids, Sequence) and not isinstance(group_ids, (str, bytes)):
-        values = []
-        for position, entry in enumerate(group_ids):
-            if isinstance(entry, bool):
-                raise TypeError(f"'group_ids' entries must be int: got bool at position {position}")
-            try:
-                values.append(operator.index(entry))
-            except TypeError:
-                raise TypeError(
-                    f"'group_ids' entries must be int: got {type(entry).__name__} at position {position}"
-                ) from None
+        values = check_int_entries("group_ids", group_ids)
         ids = torch.tensor(values, dtype=torch.int64, device=rewards.device)
     else:
         raise TypeError(f"'group_ids' must be an integer tensor or a sequence of ints: got {type(group_ids).__name__}")

@@ -10,20 +10,26 @@ Invariants (checked on construction):
   * a meta is deeply immutable: tuples for sequences, read-only copies for tag
     dicts and ``extra_info``, so no two metas ever share mutable state.
 
+The empty meta ``KVBatchMeta()`` has no partition and holds nothing (no
+keys, fields, lengths, tags, ``extra_info`` or task name); every other meta
+names a partition.
+
 Laws (see ``tests/property/test_meta.py``):
   * ``m.slice(0, k).concat(m.slice(k, len(m))) == m``;
+  * neutral element: ``KVBatchMeta().concat(m) == m == m.concat(KVBatchMeta())``;
+  * associativity: ``a.concat(b).concat(c) == a.concat(b.concat(c)) == a.concat(b, c)``;
   * ``m.subset(p).subset(inverse_permutation(p)) == m`` for a permutation ``p``;
   * ``m.subset(i).stamp_tags(...)`` never changes ``m``.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
+from core.checks import check_int_entries
 from core.frozen import FrozenDict, freeze
 
 Keys = tuple[str, ...]
@@ -51,19 +57,7 @@ def _to_str_tuple(name: str) -> Any:
 
 
 def _to_lengths(value: Any) -> SeqLens | None:
-    if value is None:
-        return None
-    out = []
-    for i, length in enumerate(value):
-        if isinstance(length, bool):
-            raise TypeError(f"'sequence_lengths' entries must be int: got bool at index {i}")
-        try:
-            out.append(operator.index(length))
-        except TypeError:
-            raise TypeError(
-                f"'sequence_lengths' entries must be int: got {type(length).__name__} at index {i}"
-            ) from None
-    return tuple(out)
+    return None if value is None else check_int_entries("sequence_lengths", value)
 
 
 def _to_tags(value: Any) -> Tags | None:
@@ -98,22 +92,12 @@ def _check_unique_strings(name: str, values: tuple[Any, ...]) -> None:
 def _check_indices(name: str, indices: Iterable[int], size: int) -> tuple[int, ...]:
     out: list[int] = []
     seen: set[int] = set()
-    for position, entry in enumerate(indices):
-        if isinstance(entry, bool):
-            raise TypeError(f"'{name}' entries must be int: got bool at position {position}")
-        try:
-            index = operator.index(entry)
-        except TypeError:
-            raise TypeError(
-                f"'{name}' entries must be int: got {type(entry).__name__} at position {position}"
-            ) from None
+    for position, index in enumerate(check_int_entries(name, indices)):
         if not -size <= index < size:
-            raise ValueError(
-                f"'{name}' entries must be in range({size}) (one per row): got {index} at position {position}"
-            )
+            raise ValueError(f"'{name}' entries must be in range({size}) (one per row): got {index} at index {position}")
         index %= size
         if index in seen:
-            raise ValueError(f"'{name}' must not repeat rows: row {index} repeats at position {position}")
+            raise ValueError(f"'{name}' must not repeat rows: row {index} repeats at index {position}")
         seen.add(index)
         out.append(index)
     return tuple(out)
@@ -124,7 +108,8 @@ class KVBatchMeta:
     """Metadata for rows stored under ``keys`` in partition ``partition_id``.
 
     Args:
-        partition_id: the store partition the keys live in.
+        partition_id: the store partition the keys live in; ``""`` (the
+            default) only for the empty meta ``KVBatchMeta()``.
         keys: one unique, non-empty key per row.
         fields: names of the fields stored for every key.
         sequence_lengths: per-row token counts (non-negative), or None.
@@ -135,7 +120,8 @@ class KVBatchMeta:
     Raises:
         TypeError: a field has the wrong type.
         ValueError: keys are empty or repeat; ``sequence_lengths`` or ``tags``
-            do not have one entry per key; a length is negative.
+            do not have one entry per key; a length is negative; no
+            ``partition_id`` for a meta that holds anything.
 
     Example:
         >>> m = KVBatchMeta("train", ["a", "b"], sequence_lengths=[3, 5])
@@ -143,8 +129,8 @@ class KVBatchMeta:
         ('b',)
     """
 
-    partition_id: str = attrs.field(validator=attrs.validators.instance_of(str))
-    keys: Keys = attrs.field(converter=_to_str_tuple("keys"))
+    partition_id: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+    keys: Keys = attrs.field(default=(), converter=_to_str_tuple("keys"))
     fields: FieldNames = attrs.field(default=(), converter=_to_str_tuple("fields"))
     sequence_lengths: SeqLens | None = attrs.field(default=None, converter=_to_lengths)
     tags: Tags | None = attrs.field(default=None, converter=_to_tags)
@@ -154,8 +140,11 @@ class KVBatchMeta:
     )
 
     def __attrs_post_init__(self) -> None:
-        if not self.partition_id:
-            raise ValueError("'partition_id' must be a non-empty string: got ''")
+        if not self.partition_id and not self.is_empty_meta():
+            raise ValueError(
+                "'partition_id' must be a non-empty string: got ''; only the empty meta KVBatchMeta(), "
+                "which holds nothing, has no partition"
+            )
         _check_unique_strings("keys", self.keys)
         _check_unique_strings("fields", self.fields)
         n = len(self.keys)
@@ -178,6 +167,18 @@ class KVBatchMeta:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def is_empty_meta(self) -> bool:
+        """Whether this is the empty meta ``KVBatchMeta()`` (the neutral element of :meth:`concat`)."""
+        return (
+            not self.keys
+            and not self.fields
+            and self.sequence_lengths is None
+            and self.tags is None
+            and not self.extra_info
+            and self.task_name is None
+            and not self.partition_id
+        )
 
     # ------------------------------------------------------------------ selection
 
@@ -220,29 +221,43 @@ class KVBatchMeta:
 
         ``fields`` becomes the ordered intersection; ``sequence_lengths`` and
         ``tags`` are kept when every input has them (else None); ``extra_info``
-        is merged; ``task_name`` must agree.
+        is merged; ``task_name`` must agree. The empty meta ``KVBatchMeta()``
+        is the neutral element: it is skipped wherever it stands, so
+        ``KVBatchMeta().concat(m) == m == m.concat(KVBatchMeta())``. ``concat``
+        is associative.
 
         Raises:
             TypeError: an argument is not a ``KVBatchMeta``.
             ValueError: partitions differ, keys would repeat, ``extra_info``
                 has a key with conflicting values, or task names differ.
+
+        Example:
+            >>> m = KVBatchMeta("p", ["a"], sequence_lengths=[3])
+            >>> KVBatchMeta().concat(m) == m == m.concat(KVBatchMeta())
+            True
         """
-        metas = (self, *others)
         for i, other in enumerate(others):
             if not isinstance(other, KVBatchMeta):
                 raise TypeError(f"concat arguments must be KVBatchMeta: got {type(other).__name__} at position {i}")
-            if other.partition_id != self.partition_id:
+        metas = tuple(m for m in (self, *others) if not m.is_empty_meta())
+        if len(metas) <= 1:
+            return metas[0] if metas else self
+        first = metas[0]
+        for i, other in enumerate(others):
+            if other.is_empty_meta():
+                continue
+            if other.partition_id != first.partition_id:
                 raise ValueError(
-                    f"'partition_id' must match to concat: expected {self.partition_id!r}, "
+                    f"'partition_id' must match to concat: expected {first.partition_id!r}, "
                     f"got {other.partition_id!r} at position {i}"
                 )
-            if other.task_name != self.task_name:
+            if other.task_name != first.task_name:
                 raise ValueError(
-                    f"'task_name' must match to concat: expected {self.task_name!r}, "
+                    f"'task_name' must match to concat: expected {first.task_name!r}, "
                     f"got {other.task_name!r} at position {i}"
                 )
-        common = set(self.fields)
-        for other in others:
+        common = set(first.fields)
+        for other in metas[1:]:
             common &= set(other.fields)
         merged: dict[str, Any] = {}
         for m in metas:
@@ -260,13 +275,13 @@ class KVBatchMeta:
         if all(m.tags is not None for m in metas):
             tags = tuple(t for m in metas for t in m.tags)  # type: ignore[union-attr]
         return KVBatchMeta(
-            partition_id=self.partition_id,
+            partition_id=first.partition_id,
             keys=tuple(k for m in metas for k in m.keys),
-            fields=tuple(f for f in self.fields if f in common),
+            fields=tuple(f for f in first.fields if f in common),
             sequence_lengths=lengths,
             tags=tags,
             extra_info=merged,
-            task_name=self.task_name,
+            task_name=first.task_name,
         )
 
     # ------------------------------------------------------------------ updates

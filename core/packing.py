@@ -160,21 +160,21 @@ def pack_sequences(
                 f"truncate the sequence or raise 'capacity'"
             )
     n = len(values)
-    required = _round_up(max(minimum, _lower_bound(values, cap)), multiple)
+    required = round_up(max(minimum, _lower_bound(values, cap)), multiple)
     if required > n:
         raise ValueError(_too_few_message(required, n, multiple, minimum))
     if n == 0:
         return ()
 
     bins = _pack(algorithm, values, cap)
-    target = _round_up(max(minimum, len(bins)), multiple)
+    target = round_up(max(minimum, len(bins)), multiple)
     # The improvement pass only pays when it saves a whole multiple of bins.
     goal = target - multiple
     if algorithm == "best_fit_decreasing" and goal >= required:
         improved = _fill_bins_one_at_a_time(values, cap, max_bins=goal)
         if improved is not None:
             bins = improved
-            target = _round_up(max(minimum, len(bins)), multiple)
+            target = round_up(max(minimum, len(bins)), multiple)
     if target > n:
         raise ValueError(
             _too_few_message(target, n, multiple, minimum)
@@ -192,21 +192,11 @@ def pack_sequences(
 
 
 def _check_lengths(lengths: Sequence[int]) -> Lengths:
-    if isinstance(lengths, (str, bytes)):
-        raise TypeError(f"'lengths' must be a sequence of ints: got {type(lengths).__name__}")
-    if isinstance(lengths, np.ndarray) and lengths.ndim == 1 and lengths.dtype.kind in "iu":
-        items = lengths.tolist()  # Python ints
-    else:
-        try:
-            items = list(lengths)
-        except TypeError:
-            raise TypeError(f"'lengths' must be a sequence of ints: got {type(lengths).__name__}") from None
-    if all(type(entry) is int for entry in items) and (not items or min(items) >= 0):
-        return tuple(items)  # fast path: plain non-negative ints
-    return check_int_entries("lengths", items, minimum=0)
+    return check_int_entries("lengths", lengths, minimum=0)
 
 
-def _round_up(count: int, multiple: int) -> int:
+def round_up(count: int, multiple: int) -> int:
+    """``count`` rounded up to a multiple of ``multiple`` (both ints, ``multiple >= 1``)."""
     return -(-count // multiple) * multiple
 
 

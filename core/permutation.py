@@ -7,8 +7,9 @@ Invariant: for a permutation ``p`` of ``range(n)``,
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
+
+from core.checks import check_int_entries
 
 Permutation = tuple[int, ...]
 
@@ -32,24 +33,15 @@ def inverse_permutation(perm: Sequence[int]) -> Permutation:
     """
     n = len(perm)
     inverse = [-1] * n
-    for position, entry in enumerate(perm):
-        if isinstance(entry, bool):
-            raise TypeError(f"'perm' entries must be int: got bool at position {position}")
-        try:
-            source = operator.index(entry)
-        except TypeError:
-            raise TypeError(
-                f"'perm' entries must be int: got {type(entry).__name__} at position {position}"
-            ) from None
+    for index, source in enumerate(check_int_entries("perm", perm)):
         if not 0 <= source < n:
             raise ValueError(
-                f"'perm' must be a permutation of range({n}): entry {source} at position "
-                f"{position} is out of range"
+                f"'perm' must be a permutation of range({n}): entry {source} at index {index} is out of range"
             )
         if inverse[source] != -1:
             raise ValueError(
                 f"'perm' must be a permutation of range({n}): entry {source} repeats "
-                f"(positions {inverse[source]} and {position})"
+                f"(indices {inverse[source]} and {index})"
             )
-        inverse[source] = position
+        inverse[source] = index
     return tuple(inverse)

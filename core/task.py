@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from core.checks import check_int
+from core.checks import check_int, check_int_entries
 
 TokenIds = tuple[int, ...]  # token ids of one sequence, no padding
 Responses = tuple[TokenIds, ...]  # one response per prompt, in prompt order
@@ -132,7 +132,7 @@ class CharTokenizer:
         chars: list[str] = []
         for position, token in enumerate(ids):
             if token >= self.vocab_size:
-                raise ValueError(f"'ids[{position}]' must be a token id in [0, {self.vocab_size}): got {token}")
+                raise ValueError(f"'ids' entries must be token ids in [0, {self.vocab_size}): got {token} at index {position}")
             if token == EOS_ID:
                 break
             if token >= NUM_SPECIAL_TOKENS:
@@ -163,7 +163,7 @@ def _check_ids(name: str, ids: object) -> TokenIds:
         raise TypeError(
             f"'{name}' must be a sequence of int token ids: got {type(ids).__name__}; pass a list, e.g. tensor.tolist()"
         )
-    return tuple(check_int(f"{name}[{i}]", token, minimum=0) for i, token in enumerate(ids))
+    return check_int_entries(name, ids, minimum=0)
 
 
 def _check_str(name: str) -> Callable[[object, attrs.Attribute, object], None]:

@@ -21,12 +21,12 @@ Laws (see ``tests/property/test_topology.py``):
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from core.checks import check_int
 from core.frozen import FrozenDict
 
 AxisName = str
@@ -38,15 +38,6 @@ Coords = FrozenDict  # axis name -> coordinate, over all of ``AXES`` in order
 AXES: AxisNames = ("pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel")
 _DP = "data_parallel"
 _REPLICA_AXES: AxisNames = ("pipeline_parallel", "context_parallel", "tensor_parallel")
-
-
-def _as_int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"'{name}' must be int: got bool ({value!r})")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"'{name}' must be int: got {type(value).__name__} ({value!r})") from None
 
 
 def _check_axis(name: str, axis: Any) -> AxisName:
@@ -65,7 +56,7 @@ def _to_sizes(value: Any) -> FrozenDict:
         _check_axis("'sizes' key", axis)
     sizes: dict[AxisName, int] = {}
     for axis in AXES:
-        size = _as_int(f"sizes[{axis!r}]", value.get(axis, 1))
+        size = check_int(f"sizes[{axis!r}]", value.get(axis, 1))
         if size < 1:
             raise ValueError(f"'sizes[{axis!r}]' must be a positive int: got {size}")
         sizes[axis] = size
@@ -108,7 +99,7 @@ class NamedSharding:
         return math.prod(self.sizes[a] for a in AXES[AXES.index(axis) + 1 :])
 
     def _check_rank(self, rank: Any) -> Rank:
-        value = _as_int("rank", rank)
+        value = check_int("rank", rank)
         if not 0 <= value < self.world_size:
             raise ValueError(f"'rank' must be in range({self.world_size}): got {value}")
         return value
@@ -143,7 +134,7 @@ class NamedSharding:
             _check_axis("coordinate", axis)
         total = 0
         for axis in AXES:
-            coordinate = _as_int(axis, coords.get(axis, 0))
+            coordinate = check_int(axis, coords.get(axis, 0))
             size = self.sizes[axis]
             if not 0 <= coordinate < size:
                 raise ValueError(f"'{axis}' must be in range({size}) (its axis size): got {coordinate}")
@@ -160,7 +151,7 @@ class NamedSharding:
         return self.coords(rank)[_DP]
 
     def _check_dp(self, dp_index: Any) -> int:
-        value = _as_int("dp_index", dp_index)
+        value = check_int("dp_index", dp_index)
         dp_size = self.sizes[_DP]
         if not 0 <= value < dp_size:
             raise ValueError(f"'dp_index' must be in range({dp_size}) (the data_parallel size): got {value}")

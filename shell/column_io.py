@@ -7,7 +7,8 @@
   carries one (so every DP rank forwards at the same length).
 * :func:`write_columns`: write results back under the same keys; per-token
   results are trimmed to each row's length first, so they line up with the
-  jagged rows of the first write.
+  jagged rows of the first write. It only adds fields to stored keys: a key
+  no first write stored raises, so no orphan key is ever created.
 
 Invariant: ``read_columns(c, first_write(c, f, ...), names, layout="jagged")``
 returns the token fields of ``f`` trimmed to their lengths and the other
@@ -23,11 +24,11 @@ import torch
 from tensordict import TensorDict
 
 from adapters.rows import build_tensordict, read_columns_of
+from adapters.store_port import DataPlaneClient
 from core.codec import Layout, is_jagged, materialize, pack_fields, to_jagged
+from core.fields import GLOBAL_FORWARD_PAD_SEQLEN
 from core.meta import KVBatchMeta
-from shell.dataplane import DataPlaneClient
 
-GLOBAL_FORWARD_PAD_SEQLEN = "global_forward_pad_seqlen"
 Columns = Mapping[str, Any]
 
 
@@ -121,6 +122,8 @@ def write_columns(
     Raises:
         ValueError: per-token fields need ``meta.sequence_lengths``; a field's
             rows do not match the key count.
+        KeyError: some of ``meta``'s keys are not stored (never written, or
+            cleared); names the partition and keys. Nothing is written.
     """
     columns = _columns(fields)
     lengths = meta.sequence_lengths
@@ -143,5 +146,12 @@ def write_columns(
         )
     for name in token_fields:
         columns[name] = to_jagged(columns[name], lengths)  # type: ignore[arg-type]
-    client.put(meta.keys, meta.partition_id, build_tensordict(columns, len(meta)))
+    wire = build_tensordict(columns, len(meta))
+    try:
+        client.put(meta.keys, meta.partition_id, wire, require_stored=True)
+    except KeyError as error:
+        raise KeyError(
+            f"write_columns adds fields to stored keys only (first_write stores them), so it would leave orphan "
+            f"keys: {error.args[0]}"
+        ) from None
     return meta.with_fields(columns)

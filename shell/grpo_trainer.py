@@ -1,20 +1,13 @@
-"""``GRPOTrainer``: one GRPO loop over two interchangeable transports (legacy in-memory, or the data plane).
+"""``GRPOTrainer``: one GRPO step, written once, over either transport (legacy in-memory, or the data plane).
 
-The driver's decisions are the same on both paths and come from core
-(:mod:`core.rollout_carry`, :mod:`core.grpo`); only the way rows move differs:
-
-=====================  ===========================================  =============================================
-step                   legacy (``data_plane.enabled=false``)        data plane (default)
-=====================  ===========================================  =============================================
-1. rollout             the engine returns the bulk batch + carry    the engine ``first_write``s, returns meta + carry
-2. DAPO (optional)     drop rows of the in-memory batch             ``clear`` the dropped keys
-3. baselines, filter   from the carry (driver)                      from the carry (driver), stamped on ``meta.tags``
-4. logprobs            ``Policy`` ships padded shards, gets results  workers fetch by key and write back
-5. advantages          set on the in-memory batch                   ``write_columns`` (per-row slices only)
-6. train               ``Policy.train(batch)``                      ``DataPlanePolicy.train(meta)``
-7. refit               policy rank 0 pushes weights to the engine (both paths; never through the driver)
-8. finish              nothing stored                               ``finish_step``: the step's keys are cleared
-=====================  ===========================================  =============================================
+:meth:`GRPOTrainer.step` is one script: generate (with DAPO's dynamic sampling
+when enabled), plan the advantages from the per-row carry (core), stamp the
+step, compute the previous and reference log-probs, write the advantages,
+train, refit the rollout engine, finish. The driver's decisions come from core
+(:mod:`core.rollout_carry`, :mod:`core.grpo`, :mod:`core.step_plan`); how rows
+move is the transport's business alone (:mod:`shell.transport`): on the
+legacy path the bulk rows pass through the driver, on the data plane they
+stay in the store and only metas and per-row values cross the driver.
 
 Invariants:
   * for the same config and seed both paths produce bitwise the same rewards,
@@ -29,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import math
 import os
 import pickle
@@ -42,23 +34,24 @@ from typing import Any
 import attrs
 import ray
 import torch
-from omegaconf import DictConfig, OmegaConf
-from tensordict import TensorDict
 
-from adapters.megatron import TinyGPTConfig
-from adapters.rows import build_tensordict
-from core.meta import KVBatchMeta
-from core.rollout_carry import AdvantagePlan, RolloutCarry, dapo_selection, group_count, plan_advantages
+from core.fields import ADVANTAGES, SAMPLE_MASK
+from core.model_config import TinyGPTConfig
+from core.rollout_carry import RolloutCarry, dapo_selection, group_count, plan_advantages
 from core.sharding import PackingSpec
+from core.step_plan import TrainResult
 from core.task import Task
 from core.topology import NamedSharding
-from shell.dataplane import DataPlaneClient
-from shell.loss import ADVANTAGES, PREV_LOGPROBS, REFERENCE_LOGPROBS, SAMPLE_MASK, GRPOLoss
+from adapters.store_port import DataPlaneClient
+from shell.loss import GRPOLoss
 from shell.metering import MeteredClient
 from shell.phases import PhaseTimer
-from shell.policy import DataPlanePolicy, Policy, PolicyConfig, TrainResult, build_group, tensor_bytes
-from shell.rollout import RolloutConfig, RolloutResult, RolloutWorker
-from shell.run_config import ConfigError, StoreBackend
+from shell.policy import Policy, PolicyConfig
+from shell.rollout import RolloutConfig, RolloutResult, RolloutWorker, step_entropy
+from shell.ray_cluster import connect as connect_ray
+from shell.run_config import RunConfig, StoreBackend, dump_run_config
+from shell.step_rows import StepRows
+from shell.transport import DataPlaneTransport, LegacyTransport, Transport, TransportReport
 from shell.worker_group import WorkerGroup
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -66,86 +59,50 @@ _VOCAB_MULTIPLE = 8
 
 
 # ---------------------------------------------------------------- configuration -> parts
+# The loader (shell.run_config) made every check: building the parts raises nothing.
 
 
-def build_task(config: DictConfig) -> Task:
-    """The task named by ``task.name`` (``addition`` or ``package.module:Class``), built with ``task.kwargs``.
-
-    Raises:
-        ConfigError: the name cannot be imported, the class rejects its
-            kwargs, or it does not implement :class:`core.task.Task`.
-    """
-    name = str(config.task.name)
-    kwargs = OmegaConf.to_container(config.task.kwargs, resolve=True) or {}
-    if name == "addition":
-        name = "core.addition:AdditionTask"
-    module_name, _, class_name = name.partition(":")
-    if not class_name:
-        raise ConfigError("task.name", f"must be 'addition' or 'package.module:Class': got {name!r}")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as error:
-        raise ConfigError("task.name", f"cannot import {name!r}: {error}") from None
-    try:
-        task = cls(**kwargs)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as error:
-        raise ConfigError("task.kwargs", f"{name} rejected {kwargs}: {error}") from None
-    if not isinstance(task, Task):
-        raise ConfigError("task.name", f"{name} does not implement core.task.Task (prompts, prompt_ids, rewards, ...)")
-    return task
+def build_task(config: RunConfig) -> Task:
+    """The run's task (``task.name`` built with ``task.kwargs``; loaded and probed by the config's checks)."""
+    return config.task.instance
 
 
-def model_config(config: DictConfig, task: Task) -> TinyGPTConfig:
-    """The tiny GPT's shape: the config's sizes and the task's vocabulary (padded to a multiple of 8 and of TP).
-
-    Raises:
-        ConfigError: the longest prompt plus ``max_new_tokens`` does not fit ``policy.model.max_sequence_length``.
-    """
-    m, tp = config.policy.model, int(config.policy.layout.tensor_parallel)
-    longest = max(len(task.prompt_ids(p)) for p in task.prompts(int(config.seed), 0, 64))
-    needed = longest + int(task.max_new_tokens)
-    if needed > m.max_sequence_length:
-        raise ConfigError(
-            "policy.model.max_sequence_length",
-            f"must fit the task's prompts plus max_new_tokens ({longest} + {task.max_new_tokens} = {needed}): "
-            f"got {m.max_sequence_length}",
-        )
-    multiple = math.lcm(_VOCAB_MULTIPLE, tp)
+def model_config(config: RunConfig, task: Task) -> TinyGPTConfig:
+    """The tiny GPT's shape: the config's sizes and the task's vocabulary (padded to a multiple of 8 and of TP)."""
+    m = config.policy.model
     return TinyGPTConfig(
-        vocab_size=task.tokenizer.padded_vocab_size(multiple),
-        hidden_size=int(m.hidden_size),
-        num_layers=int(m.num_layers),
-        num_attention_heads=int(m.num_attention_heads),
-        max_sequence_length=int(m.max_sequence_length),
+        vocab_size=task.tokenizer.padded_vocab_size(math.lcm(_VOCAB_MULTIPLE, config.policy.layout.tensor_parallel)),
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        max_sequence_length=m.max_sequence_length,
     )
 
 
-def policy_config(config: DictConfig, model: TinyGPTConfig) -> PolicyConfig:
+def policy_config(config: RunConfig, model: TinyGPTConfig) -> PolicyConfig:
     """The policy's layout, packing and optimizer settings."""
     p = config.policy
-    tokens = int(p.micro_batch_tokens)
     return PolicyConfig(
         sharding=NamedSharding({
-            "data_parallel": int(p.layout.data_parallel),
-            "tensor_parallel": int(p.layout.tensor_parallel),
-            "pipeline_parallel": int(p.layout.pipeline_parallel),
+            "data_parallel": p.layout.data_parallel,
+            "tensor_parallel": p.layout.tensor_parallel,
+            "pipeline_parallel": p.layout.pipeline_parallel,
         }),
         model=model,
-        seed=int(config.seed),
-        packing=PackingSpec(max_tokens_per_microbatch=tokens) if tokens else None,
-        learning_rate=float(p.learning_rate),
-        train_global_batch_size=None if p.train_global_batch_size is None else int(p.train_global_batch_size),
-        num_cpus_per_worker=float(p.num_cpus_per_worker),
-        timeout_s=float(p.timeout_s),
+        seed=config.seed,
+        packing=PackingSpec(max_tokens_per_microbatch=p.micro_batch_tokens) if p.micro_batch_tokens else None,
+        learning_rate=p.learning_rate,
+        fetch_policy=p.fetch_policy.value,
+        train_global_batch_size=p.train_global_batch_size,
+        num_cpus_per_worker=p.num_cpus_per_worker,
+        timeout_s=p.timeout_s,
     )
 
 
-def loss_fn(config: DictConfig) -> GRPOLoss:
+def loss_fn(config: RunConfig) -> GRPOLoss:
     """The GRPO loss of the config (with the sample mask, so filtered rows do not count)."""
     loss = config.grpo.loss
-    return GRPOLoss(
-        clip_low=float(loss.clip_low), clip_high=float(loss.clip_high), kl_coef=float(loss.kl_coef), sample_mask=True
-    )
+    return GRPOLoss(clip_low=loss.clip_low, clip_high=loss.clip_high, kl_coef=loss.kl_coef, sample_mask=True)
 
 
 @attrs.frozen
@@ -162,51 +119,6 @@ class MeteredFactory:
 def carry_bytes(carry: RolloutCarry) -> int:
     """The carry's size as it crosses to the driver: its pickled bytes (Ray pickles it so)."""
     return len(pickle.dumps(carry, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-# ---------------------------------------------------------------- one step's rows, per transport
-
-
-class _StepRows:
-    """The rows of the step being built: the carry, plus the meta (data plane) or the batch (legacy)."""
-
-    def __init__(self) -> None:
-        self.carry: RolloutCarry | None = None
-        self.meta: KVBatchMeta | None = None
-        self.batch: TensorDict | None = None
-
-    def require_carry(self) -> RolloutCarry:
-        if self.carry is None:
-            raise RuntimeError("the step has no rows yet")
-        return self.carry
-
-    def add(self, result: RolloutResult, rows: Sequence[int]) -> None:
-        carry = result.carry.subset(rows)
-        self.carry = carry if self.carry is None else self.carry.concat(carry)
-        if result.meta is not None:
-            meta = result.meta.subset(rows)
-            self.meta = meta if self.meta is None else self.meta.concat(meta)
-        if result.batch is not None:
-            batch = _take_rows(result.batch, rows)
-            self.batch = batch if self.batch is None else _cat_batches(self.batch, batch)
-
-
-def _take_rows(batch: TensorDict, rows: Sequence[int]) -> TensorDict:
-    index = torch.tensor(list(rows), dtype=torch.long)
-    return build_tensordict({k: v[index] for k, v in batch.items()}, len(rows))
-
-
-def _cat_batches(a: TensorDict, b: TensorDict) -> TensorDict:
-    """Rows of ``a`` then ``b``; per-token fields are right-padded with 0 to the wider of the two."""
-    out: dict[str, torch.Tensor] = {}
-    for name in a.keys():
-        x, y = a[name], b[name]
-        if x.dim() >= 2 and x.shape[1] != y.shape[1]:
-            width = max(x.shape[1], y.shape[1])
-            x = torch.nn.functional.pad(x, (0, width - x.shape[1]))
-            y = torch.nn.functional.pad(y, (0, width - y.shape[1]))
-        out[name] = torch.cat([x, y])
-    return build_tensordict(out, len(a) + len(b))
 
 
 # ---------------------------------------------------------------- the trainer
@@ -231,14 +143,11 @@ class GRPOTrainer:
 
     Call :meth:`start`, then :meth:`step` for each step, and :meth:`close`
     (also on errors). ``with GRPOTrainer(config) as trainer:`` does both ends.
-
-    Raises:
-        ConfigError: the task or model cannot be built from ``config``.
     """
 
     def __init__(
         self,
-        config: DictConfig,
+        config: RunConfig,
         *,
         client: DataPlaneClient | None = None,
         client_factory: Callable[[], DataPlaneClient] | None = None,
@@ -250,16 +159,16 @@ class GRPOTrainer:
         self.model = model_config(config, self.task)
         self.policy_config = policy_config(config, self.model)
         self.loss = loss_fn(config)
-        self.data_plane = bool(config.data_plane.enabled)
-        self.partition = str(config.data_plane.partition)
+        self.data_plane = config.data_plane.enabled
+        self.partition = config.data_plane.partition
         self._given_client = client
         self._given_factory = client_factory
         self._owns_ray = False
         self._store: Any = None  # the store we started (closed by us)
         self.client: MeteredClient | None = None
-        self.policy: Policy | DataPlanePolicy | None = None
+        self.transport: Transport | None = None
+        self.policy: Policy | None = None
         self.rollout: WorkerGroup | None = None
-        self._open_meta: KVBatchMeta | None = None  # keys written in the current step (cleared on failure)
         self.timer = PhaseTimer()
         self.run_id = uuid.uuid4().hex[:8]  # prefixes the store keys: runs sharing a partition never collide
 
@@ -279,52 +188,37 @@ class GRPOTrainer:
             WorkerError: a worker failed to start.
         """
         say = on_status or (lambda _message: None)
-        if not ray.is_initialized():
-            address = self.config.ray.address
-            path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
-            say(f"starting Ray ({'embedded' if address is None else address})")
-            if address is None:
-                ray.init(
-                    num_cpus=int(self.config.ray.num_cpus),
-                    include_dashboard=False,
-                    runtime_env={"env_vars": {"PYTHONPATH": path}},
-                    log_to_driver=False,
-                )
-            else:
-                ray.init(address=str(address), runtime_env={"env_vars": {"PYTHONPATH": path}}, log_to_driver=False)
-            self._owns_ray = True
-        factory = None
-        if self.data_plane:
-            say(f"starting the store ({self.config.data_plane.backend.value})")
-            inner, inner_factory = self._open_store()
-            verify = bool(self.config.data_plane.verify_integrity)
-            self.client = MeteredClient(inner, verify_integrity=verify)
-            factory = MeteredFactory(inner_factory, verify)
+        self._owns_ray = connect_ray(self.config.ray, say) or self._owns_ray
+        transport = self.transport = self._open_transport(say)
         say(f"starting {self.policy_config.sharding.world_size} policy workers and the rollout engine")
-        group = build_group(self.policy_config)
-        if self.data_plane:
-            self.policy = DataPlanePolicy(
-                self.policy_config,
-                self.client,  # type: ignore[arg-type]
-                group=group,
-                client_factory=factory,
-                fetch_policy=self.config.policy.fetch_policy.value,
-            )
-        else:
-            self.policy = Policy(self.policy_config, group=group)
+        self.policy = Policy(self.policy_config, transport)
         self.rollout = WorkerGroup(
             RolloutWorker,
             NamedSharding({"data_parallel": 1}),
             init_args=(
-                RolloutConfig(self.model, int(self.config.seed), self.task, float(self.config.grpo.temperature)),
-                factory,
+                RolloutConfig(self.model, self.config.seed, self.task, self.config.grpo.temperature),
+                transport.client_factory,
             ),
             backend="gloo",
-            num_cpus_per_worker=float(self.config.policy.num_cpus_per_worker),
-            timeout_s=float(self.config.policy.timeout_s),
+            num_cpus_per_worker=self.config.policy.num_cpus_per_worker,
+            timeout_s=self.config.policy.timeout_s,
             name_prefix=f"rollout-{os.getpid()}",
         )
-        self.rollout.run_all("setup")
+        self.rollout.call(RolloutWorker.setup)
+
+    def _open_transport(self, say: Callable[[str], None]) -> Transport:
+        """The legacy transport, or the data plane over a started (or given) store."""
+        if not self.data_plane:
+            return LegacyTransport()
+        say(f"starting the store ({self.config.data_plane.backend.value})")
+        inner, inner_factory = self._open_store()
+        verify = self.config.data_plane.verify_integrity
+        self.client = MeteredClient(inner, verify_integrity=verify)
+        return DataPlaneTransport(
+            self.client,
+            MeteredFactory(inner_factory, verify),
+            partition_id=self.partition,
+        )
 
     def _open_store(self) -> tuple[DataPlaneClient, Callable[[], DataPlaneClient]]:
         if self._given_client is not None:
@@ -359,13 +253,8 @@ class GRPOTrainer:
             raise errors[0]
 
     def _abort_step(self) -> None:
-        meta, self._open_meta = self._open_meta, None
-        if meta is None or self.client is None:
-            return
-        stored = set(self.client.list_keys(meta.partition_id))
-        keys = [k for k in meta.keys if k in stored]
-        if keys:
-            self.client.clear(keys, meta.partition_id)
+        if self.transport is not None:
+            self.transport.abort()
 
     def _stop_rollout(self) -> None:
         if self.rollout is not None:
@@ -384,16 +273,16 @@ class GRPOTrainer:
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's full weights (on the driver: for checkpoints only)."""
-        return self._policy.group.run_all("state_dict")[0]
+        return self._policy.state_dict()
 
     def load_policy_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load full weights into every policy rank and the rollout engine (``--resume``)."""
         ref = ray.put(dict(state))
-        self._policy.group.run_all("load_state_dict", ref)
-        self._rollout.run_all("load_weights", ref)
+        self._policy.load_state_dict(ref)
+        self._rollout.call(RolloutWorker.load_weights, ref)
 
     @property
-    def _policy(self) -> Policy | DataPlanePolicy:
+    def _policy(self) -> Policy:
         if self.policy is None:
             raise RuntimeError("the trainer is not started: call trainer.start() first")
         return self.policy
@@ -403,6 +292,12 @@ class GRPOTrainer:
         if self.rollout is None:
             raise RuntimeError("the trainer is not started: call trainer.start() first")
         return self.rollout
+
+    @property
+    def _transport(self) -> Transport:
+        if self.transport is None:
+            raise RuntimeError("the trainer is not started: call trainer.start() first")
+        return self.transport
 
     # ------------------------------------------------------------ the step
 
@@ -421,113 +316,74 @@ class GRPOTrainer:
             raise
 
     def _step(self, step: int) -> dict[str, Any]:
+        """One GRPO step, the same script on either transport (only ``self.transport`` differs)."""
         self.timer.reset()
         start = time.perf_counter()
-        driver_bytes = 0
-        rows, all_rewards, batches = self._generate(step)
-        result0 = batches[0]
-        carry = rows.require_carry()
-        g = self.config.grpo
+        policy, transport, g = self._policy, self._transport, self.config.grpo
+        batches, rows, carry = self._generate(step)
         with self.timer.phase("advantages"):
             plan = plan_advantages(
                 carry,
-                leave_one_out=bool(g.leave_one_out),
-                normalize_by_std=bool(g.normalize_by_std),
-                overlong_filter=bool(g.overlong_filter),
+                leave_one_out=g.leave_one_out,
+                normalize_by_std=g.normalize_by_std,
+                overlong_filter=g.overlong_filter,
             )
-        # What the rollout handed the driver: every batch's carry, and on the legacy path its bulk rows.
-        driver_bytes += sum(carry_bytes(b.carry) + tensor_bytes(b.batch) for b in batches)
-        if self.data_plane:
-            train_result, moved = self._data_plane_step(rows, plan)
-        else:
-            train_result, moved = self._legacy_step(rows, plan)
-        driver_bytes += moved
+        tags = {"baseline": plan.baseline, "std": plan.std, "reward": carry.rewards}
+        rows = policy.prepare(rows.with_meta(rows.meta.stamp_tags(tags)))
+        with self.timer.phase("logprobs"):  # one fetch and one write-back for both log-probs
+            rows = policy.logprobs(rows, reference=self.loss.kl_coef > 0)
+        with self.timer.phase("write"):
+            advantages = torch.tensor(plan.advantages, dtype=torch.float32)
+            sample_mask = torch.tensor(plan.sample_mask, dtype=torch.float32)
+            rows = transport.write(rows, {ADVANTAGES: advantages, SAMPLE_MASK: sample_mask})
+        with self.timer.phase("train"):
+            result = policy.train(rows, self.loss)
         with self.timer.phase("refit"):
-            self._policy.group.run_all("push_weights", self._rollout.actors[0])
-        outstanding = 0
-        io = {"ms": 0.0, "bytes": 0.0}
+            policy.push_weights(self._rollout.actors[0])
         with self.timer.phase("finish"):
-            policy = self._policy
-            if isinstance(policy, DataPlanePolicy) and rows.meta is not None and self.client is not None:
-                policy.finish_step(rows.meta)
-                self._open_meta = None
-                outstanding = len(self.client.list_keys(self.partition))
-                delta = self.client.step_delta()
-                workers = policy.drain_worker_io()
-                io = {
-                    "ms": delta.total_ms + workers["ms"] + sum(b.data_plane["ms"] for b in batches),
-                    "bytes": delta.total_bytes + workers["bytes"] + sum(b.data_plane["bytes"] for b in batches),
-                }
-        phases = self.timer.durations()
-        metrics = [m for rank in train_result.micro_batch_metrics for per_step in rank for m in per_step]
-        kl = [m["kl"] for m in metrics if "kl" in m]
-        record: dict[str, Any] = {
-            "step": step,
-            "reward_mean": sum(all_rewards) / len(all_rewards),
-            "reward_mean_trained": sum(carry.rewards) / carry.size,
-            "loss": sum(train_result.loss) / len(train_result.loss),
-            "kl": sum(kl) / len(kl) if kl else 0.0,
-            "grad_norm": sum(train_result.grad_norm) / len(train_result.grad_norm),
-            "optimizer_steps": len(train_result.loss),
-            "step_time_s": time.perf_counter() - start,
-            **{f"phase_{name}_s": value for name, value in phases.items()},
-            "data_plane_ms": io["ms"],
-            "data_plane_bytes": int(io["bytes"]),
-            "driver_bytes": int(driver_bytes),
-            "store_keys_outstanding": outstanding,
-            "rows": carry.size,
-            "generation_batches": len(batches),
-            "truncated_frac": sum(carry.truncated) / carry.size,
-            "sequence_tokens_mean": sum(carry.lengths) / carry.size,
-            "samples": [
-                {"prompt_id": int(pid), "response": text, "reward": float(r)}
-                for pid, text, r in zip(result0.carry.prompt_ids, result0.responses, result0.carry.rewards)
-            ][: int(self.config.run.samples_to_log)],
-        }
-        return record
+            report = transport.finish(rows)
+        return self._record(step, start, batches, carry, result, report)
 
-    def _generate(self, step: int) -> tuple[_StepRows, list[float], list[RolloutResult]]:
+    def _generate(self, step: int) -> tuple[list[RolloutResult], StepRows, RolloutCarry]:
         """Generation batches until the step has its groups (one batch unless DAPO drops some)."""
         g = self.config.grpo
-        target = int(g.num_prompts_per_step)
-        dapo = bool(g.dapo.enabled)
-        limit = int(g.dapo.max_generation_batches) if dapo else 1
-        rows = _StepRows()
-        all_rewards: list[float] = []
+        target = g.num_prompts_per_step
+        dapo = g.dapo.enabled
+        limit = g.dapo.max_generation_batches if dapo else 1
+        rows: StepRows | None = None
+        carry: RolloutCarry | None = None
         batches: list[RolloutResult] = []
         kept_groups = 0
         for batch_index in range(limit):
-            prompts = self.task.prompts(int(self.config.seed), step * limit + batch_index, target)
+            prompts = self.task.prompts(self.config.seed, step * limit + batch_index, target)
             with self.timer.phase("rollout"):
-                (result,) = self._rollout.run_all(
-                    "generate",
+                (result,) = self._rollout.call(
+                    RolloutWorker.generate,
                     prompts,
                     step=step,
                     batch_index=batch_index,
-                    num_generations=int(g.num_generations_per_prompt),
-                    partition_id=self.partition if self.data_plane else None,
-                    num_texts=int(self.config.run.samples_to_log),
+                    num_generations=g.num_generations_per_prompt,
+                    partition_id=self._transport.partition_id,
+                    num_texts=self.config.run.samples_to_log,
                     key_prefix=self.run_id + "-",
                 )
             batches.append(result)
-            if result.meta is not None:
-                written = result.meta if self._open_meta is None else self._open_meta.concat(result.meta)
-                self._open_meta = written
-            all_rewards.extend(result.carry.rewards)
-            if not dapo:
-                rows.add(result, range(result.carry.size))
-                return rows, all_rewards, batches
-            with self.timer.phase("dapo"):
-                keep = dapo_selection(result.carry, max_groups=target - kept_groups)
-                kept = set(keep)
-                dropped = [i for i in range(result.carry.size) if i not in kept]
-                if result.meta is not None and dropped:
-                    self.client.clear([result.meta.keys[i] for i in dropped], self.partition)  # type: ignore[union-attr]
-                if keep:
-                    rows.add(result, keep)
-                    kept_groups += group_count(result.carry.subset(keep))
-            if kept_groups >= target:
-                return rows, all_rewards, batches
+            self._transport.admit(result.rows, result.store_io)
+            keep: Sequence[int] = range(result.carry.size)
+            if dapo:
+                with self.timer.phase("dapo"):
+                    keep = dapo_selection(result.carry, max_groups=target - kept_groups)
+                    kept = set(keep)
+                    dropped = [i for i in range(result.carry.size) if i not in kept]
+                    if dropped:
+                        self._transport.discard(result.rows.subset(dropped))
+            if keep:
+                new_rows, new_carry = result.rows.subset(keep), result.carry.subset(keep)
+                rows = new_rows if rows is None else rows.concat(new_rows)
+                carry = new_carry if carry is None else carry.concat(new_carry)
+                kept_groups += group_count(new_carry)
+            if rows is not None and carry is not None and (not dapo or kept_groups >= target):
+                return batches, rows, carry
         raise StepError(
             step,
             f"DAPO dynamic sampling kept {kept_groups} of {target} groups after {limit} generation batches "
@@ -535,45 +391,45 @@ class GRPOTrainer:
             f"(now {limit}) or disable grpo.dapo.enabled",
         )
 
-    def _data_plane_step(self, rows: _StepRows, plan: AdvantagePlan) -> tuple[TrainResult, int]:
-        policy = self._policy
-        if not isinstance(policy, DataPlanePolicy) or rows.meta is None:
-            raise RuntimeError("a data-plane step needs a DataPlanePolicy and the rollout's receipt")
-        meta = policy.prepare_step(
-            rows.meta.stamp_tags({"baseline": plan.baseline, "std": plan.std, "reward": rows.require_carry().rewards})
-        )
-        self._open_meta = meta
-        with self.timer.phase("logprobs"):
-            if self.loss.kl_coef > 0:  # one fetch and one write-back for both
-                policy.get_logprobs_and_reference(meta)
-            else:
-                policy.get_logprobs(meta)
-        advantages = torch.tensor(plan.advantages, dtype=torch.float32)
-        sample_mask = torch.tensor(plan.sample_mask, dtype=torch.float32)
-        with self.timer.phase("write"):
-            policy.write(meta, {ADVANTAGES: advantages, SAMPLE_MASK: sample_mask}, token_fields=())
-        with self.timer.phase("train"):
-            result = policy.train(meta, self.loss)
-        return result, tensor_bytes(advantages) + tensor_bytes(sample_mask)
-
-    def _legacy_step(self, rows: _StepRows, plan: AdvantagePlan) -> tuple[TrainResult, int]:
-        policy = self._policy
-        if not isinstance(policy, Policy) or rows.batch is None:
-            raise RuntimeError("a legacy step needs a Policy and the rollout's batch")
-        batch = rows.batch
-        with self.timer.phase("logprobs"):
-            if self.loss.kl_coef > 0:
-                both = policy.get_logprobs_and_reference(batch)
-                batch.set(PREV_LOGPROBS, both[PREV_LOGPROBS])
-                batch.set(REFERENCE_LOGPROBS, both[REFERENCE_LOGPROBS])
-            else:
-                batch.set(PREV_LOGPROBS, policy.get_logprobs(batch)[PREV_LOGPROBS])
-        with self.timer.phase("write"):
-            batch.set(ADVANTAGES, torch.tensor(plan.advantages, dtype=torch.float32))
-            batch.set(SAMPLE_MASK, torch.tensor(plan.sample_mask, dtype=torch.float32))
-        with self.timer.phase("train"):
-            result = policy.train(batch, self.loss)
-        return result, policy.drain_driver_bytes()
+    def _record(
+        self,
+        step: int,
+        start: float,
+        batches: Sequence[RolloutResult],
+        carry: RolloutCarry,
+        result: TrainResult,
+        report: TransportReport,
+    ) -> dict[str, Any]:
+        """The step's metrics record (one line of ``metrics.jsonl``)."""
+        all_rewards = [r for b in batches for r in b.carry.rewards]
+        metrics = [m for rank in result.micro_batch_metrics for per_step in rank for m in per_step]
+        kl = [m["kl"] for m in metrics if "kl" in m]
+        first = batches[0]
+        return {
+            "step": step,
+            "reward_mean": sum(all_rewards) / len(all_rewards),
+            "reward_mean_trained": sum(carry.rewards) / carry.size,
+            "entropy": step_entropy(batches),
+            "loss": sum(result.loss) / len(result.loss),
+            "kl": sum(kl) / len(kl) if kl else 0.0,
+            "grad_norm": sum(result.grad_norm) / len(result.grad_norm),
+            "optimizer_steps": len(result.loss),
+            "step_time_s": time.perf_counter() - start,
+            **{f"phase_{name}_s": value for name, value in self.timer.durations().items()},
+            "data_plane_ms": report.store_ms,
+            "data_plane_bytes": report.store_bytes,
+            # what crossed the driver: every batch's carry, plus what the transport moved through it
+            "driver_bytes": sum(carry_bytes(b.carry) for b in batches) + report.driver_bytes,
+            "store_keys_outstanding": report.keys_outstanding,
+            "rows": carry.size,
+            "generation_batches": len(batches),
+            "truncated_frac": sum(carry.truncated) / carry.size,
+            "sequence_tokens_mean": sum(carry.lengths) / carry.size,
+            "samples": [
+                {"prompt_id": int(pid), "response": text, "reward": float(r)}
+                for pid, text, r in zip(first.carry.prompt_ids, first.responses, first.carry.rewards)
+            ][: self.config.run.samples_to_log],
+        }
 
     # ------------------------------------------------------------ checkpoints
 
@@ -582,7 +438,7 @@ class GRPOTrainer:
         path = Path(run_dir) / CHECKPOINT_FILE
         tmp = path.with_suffix(".tmp")
         torch.save(
-            {"step": step, "weights": self.policy_state(), "config": OmegaConf.to_yaml(self.config)}, tmp
+            {"step": step, "weights": self.policy_state(), "config": dump_run_config(self.config)}, tmp
         )
         os.replace(tmp, path)
         return path

@@ -2,8 +2,8 @@
 
 The math is :func:`core.grpo.clipped_policy_loss` (plus ``kl_coef`` times the
 masked k3 KL to the reference policy); this module only binds it to the
-field names a micro-batch carries, which is a shell convention, so it lives
-here and not in ``core``.
+field names a micro-batch carries (:mod:`core.fields`) and makes it a
+picklable callable for the backend's train step.
 
 Invariant: the loss reads exactly the fields in ``GRPOLoss.input_fields``
 (besides the log-probs the backend passes in), so a caller can fetch those
@@ -18,13 +18,8 @@ from typing import Any
 import attrs
 import torch
 
+from core.fields import ADVANTAGES, PREV_LOGPROBS, REFERENCE_LOGPROBS, SAMPLE_MASK, TOKEN_MASK
 from core.grpo import clipped_policy_loss, kl_k3, masked_mean
-
-PREV_LOGPROBS = "prev_logprobs"  # FloatTensor[B, S]: log-probs of the policy that sampled
-REFERENCE_LOGPROBS = "reference_policy_logprobs"  # FloatTensor[B, S]: log-probs of the frozen reference
-ADVANTAGES = "advantages"  # FloatTensor[B] or [B, S]
-TOKEN_MASK = "token_mask"  # BoolTensor[B, S]: the tokens that count in the loss
-SAMPLE_MASK = "sample_mask"  # FloatTensor[B]: 1 for rows that count in the loss, 0 for filtered rows
 
 
 def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

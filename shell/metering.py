@@ -11,8 +11,11 @@ it writes, one 64-bit content digest per row (``core.integrity``: XXH3-64 of
 the row's bytes) and stores it in the key's reserved tag ``__digest__.f``
 (tags merge per key, new values win, so a later put of ``f`` under a key
 replaces exactly that key's digest of ``f``, whichever process makes it).
+The digests go through the inner client's ``put_with_reserved_tags``
+(:class:`adapters.store_port.ReservedTagPutClient`): a plain ``put`` rejects
+reserved tag names, so no caller can forge a digest.
 Every get reads the digests back with the data, in one lookup when the inner
-client is a :class:`shell.dataplane.TaggedGetClient` (every adapter here is)
+client is a :class:`adapters.store_port.TaggedGetClient` (every adapter here is)
 and with a ``describe`` otherwise, and raises
 :class:`IntegrityError`, naming the keys and fields, when a row's content no
 longer matches. The digests cover dtype, shape and every bit, so a changed
@@ -44,12 +47,21 @@ import torch
 from tensordict import TensorDict
 
 from adapters.rows import read_columns_of
+from adapters.store_port import (
+    RESERVED_TAG_PREFIX,
+    DataPlaneClient,
+    Keys,
+    ReservedTagPutClient,
+    SeqLens,
+    Tags,
+    TaggedGetClient,
+    validate_get,
+)
 from core.frozen import FrozenDict
 from core.integrity import DigestMatrix, digest_matrix
 from core.meta import KVBatchMeta
-from shell.dataplane import DataPlaneClient, Keys, SeqLens, Tags, TaggedGetClient, validate_get
 
-DIGEST_PREFIX = "__digest__."
+DIGEST_PREFIX = RESERVED_TAG_PREFIX
 """Reserved prefix: the tag ``__digest__.f`` of a key holds the digest of its row of field ``f``."""
 OPS = ("put", "get", "clear")
 
@@ -205,6 +217,12 @@ class MeteredClient:
         on_event: Callable[[DataPlaneEvent], None] | None = None,
         verify_integrity: bool = False,
     ) -> None:
+        if verify_integrity and not isinstance(inner, ReservedTagPutClient):
+            raise TypeError(
+                f"'inner' must be able to write the reserved digest tags (put_with_reserved_tags, see "
+                f"adapters.store_port.ReservedTagPutClient) to verify integrity: got {type(inner).__name__}; "
+                f"wrap an adapter of adapters/, or pass verify_integrity=False"
+            )
         self.inner = inner
         self.on_event = on_event
         self.verify_integrity = verify_integrity
@@ -224,6 +242,7 @@ class MeteredClient:
         *,
         tags: Tags | None = None,
         sequence_lengths: SeqLens | None = None,
+        require_stored: bool = False,
     ) -> KVBatchMeta:
         """Meter (and digest) a put; see ``DataPlaneClient.put``."""
         start = time.perf_counter()
@@ -232,19 +251,23 @@ class MeteredClient:
         reserved = [name for name in columns if name.startswith(DIGEST_PREFIX)]
         if reserved:
             raise ValueError(f"field names starting with {DIGEST_PREFIX!r} are reserved for integrity digests: got {reserved}")
-        if tags is not None:
-            _check_user_tags(tags, n)
-        wire_tags = tags
         if self.verify_integrity and columns and n and _rows_of(fields) == n:
             names = [DIGEST_PREFIX + name for name in columns]
             digests = digest_matrix([_digestible(name, v) for name, v in columns.items()]).tolist()
-            if tags is None:
-                wire_tags = [dict(zip(names, row)) for row in digests]
-            else:
-                wire_tags = [{**user, **dict(zip(names, row))} for user, row in zip(tags, digests)]
-        receipt = self.inner.put(keys, partition_id, fields, tags=wire_tags, sequence_lengths=sequence_lengths)
-        if wire_tags is not tags:
+            receipt = self.inner.put_with_reserved_tags(  # type: ignore[attr-defined]
+                keys,
+                partition_id,
+                fields,
+                reserved_tags=[dict(zip(names, row)) for row in digests],
+                tags=tags,
+                sequence_lengths=sequence_lengths,
+                require_stored=require_stored,
+            )
             receipt = attrs.evolve(receipt, tags=None if tags is None else _strip_digest_tags(receipt.tags))
+        else:  # the inner put checks the user tags, rejecting reserved names
+            receipt = self.inner.put(
+                keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, require_stored=require_stored
+            )
         # Per-key accounting is deferred to the next snapshot (see _settle), keeping a put O(fields);
         # only row sizes are kept, never the payload.
         self._pending.append(("put", partition_id, tuple(keys), [(name, _row_sizes(v, n)) for name, v in columns.items()]))
@@ -374,20 +397,6 @@ class MeteredClient:
 
 def _rows_of(fields: TensorDict) -> int | None:
     return fields.batch_size[0] if len(fields.batch_size) else None
-
-
-def _check_user_tags(tags: Tags, n: int) -> None:
-    """User tags must be one mapping per key and must not use the reserved digest prefix."""
-    if len(tags) != n:
-        raise ValueError(f"'tags' must have {n} entries (one per key): got {len(tags)}")
-    for i, tag in enumerate(tags):
-        if not isinstance(tag, Mapping):
-            raise TypeError(f"'tags' entries must be mappings: got {type(tag).__name__} at index {i}")
-        reserved = [name for name in tag if isinstance(name, str) and name.startswith(DIGEST_PREFIX)]
-        if reserved:
-            raise ValueError(
-                f"tag names starting with {DIGEST_PREFIX!r} are reserved for integrity digests: got {reserved} at index {i}"
-            )
 
 
 def _strip_digest_tags(tags: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -5,37 +5,43 @@ policy workers push after every train step (``PolicyWorker.push_weights``).
 For each prompt it samples ``num_generations`` responses at the configured
 temperature, scores them with the task, and then either
 
-* data plane: does the step's single bulk write (:func:`shell.column_io.first_write`)
-  under keys ``f"{uid}_g{i}"`` and returns only the receipt and the carry; or
-* legacy: returns the bulk batch itself, which then travels through the driver.
+* data plane (a ``partition_id``): does the step's single bulk write
+  (:func:`shell.column_io.first_write`) under keys ``f"{uid}_g{i}"`` and
+  returns only the receipt and the carry; or
+* legacy (no partition): returns the same keys and lengths plus the bulk batch
+  itself, which then travels through the driver.
 
 Invariant: for the same weights, prompts, seed, step and batch index, both
-modes build the same rows (same tokens, masks, lengths and rewards): the
+modes build the same rows (same tokens, masks, lengths, rewards and entropies): the
 sampling generator is seeded from ``(seed, step, batch_index)`` alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
-from tensordict import TensorDict
 
-from adapters.megatron import MegatronGPTBackend, TinyGPTConfig
+from adapters.model_port import PolicyBackend
 from adapters.rows import build_tensordict
+from core.entropy import mean_token_entropy
+from core.fields import INPUT_IDS, LENGTHS, TOKEN_MASK
 from core.meta import KVBatchMeta
+from core.model_config import TinyGPTConfig
 from core.rollout_carry import RolloutCarry
+from core.step_plan import LEGACY_PARTITION
 from core.task import EOS_ID, Prompt, Task
 from shell.column_io import first_write
-from shell.dataplane import DataPlaneClient
-from shell.loss import TOKEN_MASK
-from shell.policy_worker import INPUT_IDS, LENGTHS, client_io
-from shell.worker_group import Worker
+from shell.model_worker import ModelWorker
+from shell.policy_worker import client_io
+from shell.run_task import checked_rewards
+from shell.step_rows import StepRows
+from shell.worker import on_all_ranks
 
-ClientFactory = Callable[[], DataPlaneClient]
 ROLLOUT_TOKEN_FIELDS: tuple[str, ...] = (INPUT_IDS, TOKEN_MASK)
+
 _SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
@@ -78,62 +84,70 @@ class RolloutConfig:
 
 @attrs.frozen
 class RolloutResult:
-    """One generation batch: the carry, plus the receipt (data plane) or the bulk batch (legacy).
+    """One generation batch: the carry and the rows (the receipt of the bulk write, or the bulk batch itself).
 
     Attributes:
         carry: per-row rewards, lengths, groups, question ids and truncation flags.
-        meta: the receipt of the bulk write (data plane), else None.
-        batch: ``input_ids`` [N, S], ``token_mask`` [N, S], ``lengths`` [N] (legacy), else None.
-        data_plane: the engine's store activity (``{"ms", "bytes"}``).
+        rows: the batch's meta (keys, lengths, fields) and, on the legacy path,
+            its bulk batch: ``input_ids`` [N, S], ``token_mask`` [N, S], ``lengths`` [N].
+        store_io: the engine's store activity (``{"ms", "bytes"}``; zeros on the legacy path).
         responses: the decoded response text of the first rows (for logging samples).
+        entropy: per row, the summed entropy (nats) of the distributions its response tokens were drawn from.
+        response_tokens: per row, the number of response tokens (the EOS included).
     """
 
     carry: RolloutCarry
-    meta: KVBatchMeta | None
-    batch: TensorDict | None
-    data_plane: Mapping[str, float]
+    rows: StepRows
+    store_io: Mapping[str, float]
     responses: tuple[str, ...]
+    entropy: tuple[float, ...]
+    response_tokens: tuple[int, ...]
 
 
-class RolloutWorker(Worker):
-    """The rollout engine (see the module docstring); call ``setup`` once after the group starts."""
+def step_entropy(results: Sequence[RolloutResult]) -> float:
+    """The mean sampling entropy (nats) per generated token over every row of ``results`` (a step's batches).
 
-    def __init__(self, config: RolloutConfig, client_factory: ClientFactory | None = None) -> None:
-        if not isinstance(config, RolloutConfig):
-            raise TypeError(f"'config' must be a RolloutConfig: got {type(config).__name__}")
-        self.config = config
-        self._client_factory = client_factory
-        self._client: DataPlaneClient | None = None
-        self._backend: MegatronGPTBackend | None = None
+    Raises:
+        ValueError: ``results`` holds no generated token.
+    """
+    return mean_token_entropy(
+        [h for r in results for h in r.entropy], [n for r in results for n in r.response_tokens]
+    )
 
+
+class RolloutWorker(ModelWorker):
+    """The rollout engine (see the module docstring); call ``setup`` once after the group starts.
+
+    Args:
+        config: the engine's settings.
+        client_factory: builds the engine's store client in ``setup`` (data
+            plane; None on the legacy path); must be picklable.
+    """
+
+    CONFIG = RolloutConfig
+    config: RolloutConfig
+
+    @on_all_ranks
     def setup(self) -> None:
         """Build the engine's model (the seed's initial weights) and, for the data plane, open the store client."""
-        torch.set_num_threads(self.config.torch_threads)
-        self._backend = MegatronGPTBackend(
-            self.config.model, tensor_parallel=1, pipeline_parallel=1, seed=self.config.seed
-        )
-        if self._client_factory is not None:
-            self._client = self._client_factory()
+        self.set_up()
 
-    @property
-    def backend(self) -> MegatronGPTBackend:
-        """The engine's model.
+    def _build_backend(self) -> PolicyBackend:
+        from adapters.megatron import MegatronGPTBackend  # the one adapter behind the port: megatron loads here
 
-        Raises:
-            RuntimeError: ``setup`` has not run.
-        """
-        if self._backend is None:
-            raise RuntimeError("the rollout engine is not built; call group.run_all('setup') first")
-        return self._backend
+        return MegatronGPTBackend(self.config.model, tensor_parallel=1, pipeline_parallel=1, seed=self.config.seed)
 
+    @on_all_ranks
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """Refit: load the policy's full weights."""
         self.backend.load_state_dict(state)
 
+    @on_all_ranks
     def weights(self) -> dict[str, torch.Tensor]:
         """The engine's full weights (to check a refit)."""
         return self.backend.state_dict()
 
+    @on_all_ranks
     def generate(
         self,
         prompts: Sequence[Prompt],
@@ -177,7 +191,7 @@ class RolloutWorker(Worker):
             prompt_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         prompt_lengths = torch.tensor([len(ids) for ids in encoded], dtype=torch.long)
         generator = torch.Generator().manual_seed(sampling_seed(self.config.seed, step, batch_index))
-        sequences, lengths = self.backend.generate(
+        generation = self.backend.generate(
             prompt_ids,
             prompt_lengths,
             max_new_tokens=task.max_new_tokens,
@@ -186,9 +200,12 @@ class RolloutWorker(Worker):
             temperature=self.config.temperature,
             vocab_limit=task.tokenizer.vocab_size,
         )
+        sequences, lengths = generation.sequences, generation.lengths
+        entropy = tuple(generation.entropy.tolist())
+        response_tokens = tuple((lengths - prompt_lengths).tolist())
         responses = [sequences[r, int(prompt_lengths[r]) : int(lengths[r])].tolist() for r in range(len(encoded))]
         row_prompts = [p for p in prompts for _ in range(num_generations)]
-        rewards = task.rewards(row_prompts, responses)
+        rewards = checked_rewards(task, row_prompts, responses)
         positions = torch.arange(sequences.shape[1])
         token_mask = (positions >= prompt_lengths[:, None]) & (positions < lengths[:, None])
         carry = RolloutCarry(
@@ -200,10 +217,11 @@ class RolloutWorker(Worker):
         )
         text = tuple(task.tokenizer.decode(r) for r in responses[:num_texts])
         columns = {INPUT_IDS: sequences, TOKEN_MASK: token_mask}
+        keys = [key for j in range(len(prompts)) for key in row_keys(f"{key_prefix}s{step}b{batch_index}p{j}", num_generations)]
         if partition_id is None:
             batch = build_tensordict({**columns, LENGTHS: lengths}, len(encoded))
-            return RolloutResult(carry, None, batch, {"ms": 0.0, "bytes": 0.0}, text)
-        keys = [key for j in range(len(prompts)) for key in row_keys(f"{key_prefix}s{step}b{batch_index}p{j}", num_generations)]
+            meta = KVBatchMeta(LEGACY_PARTITION, keys, fields=list(columns), sequence_lengths=lengths.tolist())
+            return RolloutResult(carry, StepRows(meta, batch), {"ms": 0.0, "bytes": 0.0}, text, entropy, response_tokens)
         meta = first_write(
             self._client,  # type: ignore[arg-type]
             columns,
@@ -212,10 +230,4 @@ class RolloutWorker(Worker):
             lengths=lengths.tolist(),
             token_fields=ROLLOUT_TOKEN_FIELDS,
         )
-        return RolloutResult(carry, meta, None, client_io(self._client), text)
-
-    def close_client(self) -> None:
-        """Close the store client (a no-op without one)."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        return RolloutResult(carry, StepRows(meta), client_io(self._client), text, entropy, response_tokens)

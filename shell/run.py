@@ -11,9 +11,10 @@ the addition task, and leaves in ``run.dir`` (default ``runs/<timestamp>/``):
 ``reward.png`` and ``checkpoint.pt``. ``--help`` lists every config key.
 
 Exit status: 0 when the run finishes, 1 when a step fails (the message names
-the step and, for a worker, its rank), 2 for a bad command line or config
-(rejected before anything starts), 130 after Ctrl-C. On every exit the run
-clears its store keys and stops what it started.
+the step and, for a worker, its rank), 2 for a bad command line, config, run
+folder, checkpoint or cluster address (one line naming the key, before anything
+starts), 130 after Ctrl-C. On every exit the run clears its store keys and
+stops what it started.
 """
 
 from __future__ import annotations
@@ -21,28 +22,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import signal
 import sys
-import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from shell.run_config import ConfigError, ProgressMode, describe_keys, load_run_config
-from shell.run_log import MetricsLog, RunProgress, plot_run, read_metrics
+from shell.run_config import ConfigError, ProgressMode, describe_keys, load_run_config, save_run_config
+from shell.run_log import MetricsLog, read_metrics
+from shell.run_plot import plot_run
+from shell.run_progress import RunProgress
 
-METRICS_FILE = "metrics.jsonl"
-SAMPLES_FILE = "samples.jsonl"
-PLOT_FILE = "reward.png"
-PROCESSES_FILE = "processes.json"
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
@@ -59,6 +55,7 @@ def _help_epilog() -> str:
         "  python -m shell.run policy.layout.tensor_parallel=2    # TP=2 policy workers",
         "  python -m shell.run ray.address=auto                   # join a running Ray cluster",
         "  python -m shell.run --resume runs/20261121-101500 grpo.num_steps=80",
+        "  python -m shell.run --config runs/20261121-101500/config.yaml run.dir=runs/again",
     ]
     return "\n".join(lines)
 
@@ -71,19 +68,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         epilog=_help_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", help="a YAML file replacing shell/grpo.yaml")
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue from RUN_DIR/checkpoint.pt, appending to its metrics")
+    parser.add_argument("--config", help="a YAML file replacing shell/grpo.yaml (e.g. a run's config.yaml)")
+    parser.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue from RUN_DIR/checkpoint.pt (steps after it are logged again)"
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (see below)")
-    return parser.parse_args(list(argv))
-
-
-def _run_dir(config: DictConfig, resume: str | None) -> Path:
-    if config.run.dir is not None:
-        return Path(str(config.run.dir))
-    if resume is not None:
-        path = Path(resume)
-        return path.parent if path.is_file() else path
-    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    return parser.parse_intermixed_args(list(argv))  # overrides may come before and after the options
 
 
 class _Interrupted(Exception):
@@ -95,39 +85,42 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def _write_processes(trainer: Any, path: Path) -> None:
+    from shell.worker import Worker
+
     policy = trainer.policy.group if trainer.policy is not None else None
     rollout = trainer.rollout
     info: dict[str, Any] = {"driver": os.getpid()}
     if policy is not None:
-        info["policy"] = {str(rank): pid for rank, pid in enumerate(policy.run_all("process_id"))}
+        info["policy"] = {str(rank): pid for rank, pid in enumerate(policy.call(Worker.process_id))}
     if rollout is not None:
-        info["rollout"] = rollout.run_all("process_id")[0]
+        info["rollout"] = rollout.call(Worker.process_id)[0]
     path.write_text(json.dumps(info, indent=1) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run GRPO as the command line says; returns the exit status."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # a message is one line, however long
     # megatron warns at import that optional fused kernels are absent; the local fallbacks are what we use.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed", category=UserWarning)
-    from shell.grpo_trainer import GRPOTrainer, StepError, load_checkpoint  # heavy (megatron): after --help
+    from adapters import tq_system
+    from shell.grpo_trainer import GRPOTrainer, StepError  # heavy (megatron): after --help
+    from shell.ray_cluster import check_address
+    from shell.run_dir import CONFIG_FILE, METRICS_FILE, PROCESSES_FILE, SAMPLES_FILE, plan_run_dir, prepare_run_dir
     from shell.worker_group import WorkerError
 
-    checkpoint = None
     try:
         config = load_run_config(args.overrides, config_file=args.config)
-        if args.resume is not None:
-            checkpoint = load_checkpoint(args.resume)
+        plan = plan_run_dir(config, args.resume)
+        check_address(config.ray)
         trainer = GRPOTrainer(config)
-    except (ConfigError, FileNotFoundError, ValueError) as error:
+        prepare_run_dir(plan)
+    except ConfigError as error:
         console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
         return EXIT_USAGE
-    run_dir = _run_dir(config, args.resume)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(config, run_dir / "config.yaml")
-    first = 1 if checkpoint is None else int(checkpoint["step"]) + 1
-    total = int(config.grpo.num_steps)
+    run_dir, checkpoint, first = plan.path, plan.checkpoint, plan.first_step
+    save_run_config(config, run_dir / CONFIG_FILE)
+    total = config.grpo.num_steps
     mode = config.run.progress
     path = "data plane (" + config.data_plane.backend.value + ")" if config.data_plane.enabled else "legacy"
     console.print(f"GRPO: {total} steps, {path}, output in {escape(str(run_dir))}", highlight=False)
@@ -136,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = 0
     try:
         trainer.start(on_status=lambda message: console.print(f"  {message}", highlight=False))
-        _quiet_transfer_queue()
+        tq_system.quiet_logs()
         _write_processes(trainer, run_dir / PROCESSES_FILE)
         if checkpoint is not None:
             trainer.load_policy_state(checkpoint["weights"])
@@ -148,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 start=min(first - 1, total),
                 plain=None if mode == ProgressMode.auto else mode == ProgressMode.plain,
             )
-        every = int(config.run.checkpoint_every)
+        every = config.run.checkpoint_every
         with MetricsLog(run_dir / METRICS_FILE, drop_after=first - 1) as log, progress, open(
             run_dir / SAMPLES_FILE, "a", encoding="utf-8"
         ) as samples:
@@ -162,8 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     progress.advance(written)
                 if every and step % every == 0 and step < total:
                     trainer.save_checkpoint(run_dir, step)
-        if total >= first:
-            trainer.save_checkpoint(run_dir, total)
+        trainer.save_checkpoint(run_dir, total)
         console.print(f"done: {total} steps; checkpoint {escape(str(run_dir / 'checkpoint.pt'))}", highlight=False)
     except (KeyboardInterrupt, _Interrupted):
         console.print(f"[yellow]interrupted[/] during step {step}: shutting down cleanly", highlight=False)
@@ -185,13 +177,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
-def _quiet_transfer_queue() -> None:
-    """TransferQueue's client warns on every call that it caps its threads at the core count: keep errors only."""
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("transfer_queue"):
-            logging.getLogger(name).setLevel(logging.ERROR)
-
-
 def _summary(error: BaseException) -> str:
     """The first line of an error (a worker's remote traceback stays out of the console)."""
     text = str(error).strip()
@@ -199,6 +184,8 @@ def _summary(error: BaseException) -> str:
 
 
 def _plot(run_dir: Path, console: Console) -> None:
+    from shell.run_dir import METRICS_FILE, PLOT_FILE
+
     metrics = run_dir / METRICS_FILE
     if not metrics.exists():
         return

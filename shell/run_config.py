@@ -1,326 +1,276 @@
-"""The GRPO run's configuration: a typed schema, the packaged YAML defaults, and ``key=value`` overrides.
+"""Reading a GRPO run's configuration: the packaged YAML (or another file), then ``key=value`` overrides.
 
-``load_run_config(overrides)`` merges, in order, the schema's defaults, the
-packaged ``shell/grpo.yaml`` (or another YAML file), and command-line
-``key=value`` overrides, then checks every value. OmegaConf's structured
-configs reject unknown keys and ill-typed values; :func:`check_run_config`
-rejects values that are well typed but impossible (a layout that does not
-divide the model, a backend that does not exist, ...).
+``load_run_config(overrides)`` reads ``shell/grpo.yaml`` (or ``config_file``,
+e.g. a run's ``config.yaml``), applies the command-line overrides in order, and
+builds the frozen, checked :class:`~shell.config_schema.RunConfig`. Each value
+is read by the type its key declares (:mod:`shell.config_yaml`), so a string
+option keeps its characters as typed (``run.progress=off``,
+``data_plane.partition=no``, ``run.dir=12:30:00``) and a boolean is ``true`` or
+``false``. :func:`dump_run_config` writes a config back as YAML, and
+:func:`describe_keys` lists every key with its default and help (``--help``).
 
-Invariant: a config that loads is runnable: every error a bad key or value
-can cause is raised here, before Ray, the store or a worker starts, as a
-:class:`ConfigError` naming the key.
+Invariant: ``load_run_config`` returns a runnable config or raises a
+:class:`ConfigError` naming the key (an unknown key, a missing, ill-typed or
+impossible value, an unreadable file, a bad task), before anything starts; and
+``load_run_config(config_file=f)`` of a file written by :func:`save_run_config`
+gives back an equal config.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-from collections.abc import Iterator, Sequence
-from enum import Enum
+import difflib
+import enum
+from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+import attrs
+
+from core.frozen import FrozenDict
+from shell.config_error import ConfigError
+from shell.config_schema import (
+    FetchPolicyName,
+    ProgressMode,
+    RunConfig,
+    StoreBackend,
+    cluster_cpus,
+    schema_fields,
+)
+from shell.config_yaml import Tree, dump, override_node, read_document, read_value, set_path
+
+__all__ = [
+    "ConfigError", "RunConfig", "StoreBackend", "FetchPolicyName", "ProgressMode", "load_run_config",
+    "parse_overrides", "run_config_from_dict", "run_config_to_dict", "dump_run_config", "save_run_config",
+    "describe_keys", "select", "cluster_cpus",
+]
 
 DEFAULT_CONFIG = "grpo.yaml"
 
 
-class ConfigError(ValueError):
-    """A bad config key or value; ``key`` is its dotted name (e.g. ``policy.layout.tensor_parallel``)."""
-
-    def __init__(self, key: str, message: str) -> None:
-        self.key = key
-        super().__init__(f"config key '{key}': {message}")
+# ---------------------------------------------------------------- reading
 
 
-class StoreBackend(str, Enum):
-    """Which store the data plane uses."""
-
-    transfer_queue = "transfer_queue"
-    memory = "memory"
-
-
-class FetchPolicyName(str, Enum):
-    """How policy workers fetch their rows (see ``PolicyWorker.fetch``)."""
-
-    auto = "auto"
-    independent = "independent"
-    leader_broadcast = "leader_broadcast"
+def _unknown(name: str, prefix: str, names: Sequence[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"did you mean {prefix}{close[0]}?" if close else f"{prefix.rstrip('.') or 'the top level'} has " + ", ".join(names)
+    return ConfigError(f"{prefix}{name}", f"is not a config key; {hint}")
 
 
-class ProgressMode(str, Enum):
-    """How the run shows progress: a live bar on a terminal or plain lines (``auto``), or one of them."""
-
-    auto = "auto"
-    bar = "bar"
-    plain = "plain"
-    off = "off"
-
-
-# The schema holds types and one comment per key (``--help`` shows them); the values live in
-# the packaged YAML alone, so defaults have one home. ``MISSING`` leaves must be set there.
+def _check_known(cls: type, tree: Tree, prefix: str) -> None:
+    """Every key of ``tree`` is a key of ``cls`` (checked before any value, so a typo is named first)."""
+    fields = {a.name: a for a in schema_fields(cls)}
+    for name, value in tree.items():
+        if name not in fields:
+            raise _unknown(name, prefix, list(fields))
+        section = fields[name].metadata.get("section")
+        if section is not None and isinstance(value, dict):
+            _check_known(section, value, f"{prefix}{name}.")
 
 
-@dataclasses.dataclass
-class RunSection:
-    dir: str | None = MISSING  # output folder (metrics.jsonl, plot, checkpoint); default runs/<timestamp>/
-    progress: ProgressMode = MISSING  # auto | bar | plain | off
-    checkpoint_every: int = MISSING  # also checkpoint every N steps (0: only at the end)
-    samples_to_log: int = MISSING  # decoded responses written per step to samples.jsonl
+def _build(cls: type, tree: Tree, prefix: str, source: str) -> Any:
+    if not prefix:
+        _check_known(cls, tree, prefix)
+    values: dict[str, Any] = {}
+    for attribute in schema_fields(cls):
+        key = f"{prefix}{attribute.name}"
+        section = attribute.metadata.get("section")
+        if attribute.name not in tree and section is None:
+            raise ConfigError(key, f"has no value: set it in {source} or as {key}=...")
+        value = tree.get(attribute.name, {})
+        if section is None:
+            values[attribute.name] = read_value(attribute.type, value, key)
+        elif isinstance(value, dict):
+            values[attribute.name] = _build(section, value, f"{key}.", source)
+        else:
+            raise _not_a_value(key, section)
+    return cls(**values)
 
 
-@dataclasses.dataclass
-class RaySection:
-    address: str | None = MISSING  # an existing cluster ("auto" or host:port); null starts an embedded one
-    num_cpus: int = MISSING  # logical CPUs of an embedded cluster (TransferQueue's actors need 1 each)
+def _not_a_value(key: str, section: type) -> ConfigError:
+    names = [a.name for a in schema_fields(section)]
+    return ConfigError(key, f"is a section with keys {', '.join(names)}: set one, e.g. {key}.{names[0]}=...")
 
 
-@dataclasses.dataclass
-class DapoSection:
-    enabled: bool = MISSING  # DAPO dynamic sampling: keep only groups whose rewards vary
-    max_generation_batches: int = MISSING  # give up (error) after this many generation batches in a step
-
-
-@dataclasses.dataclass
-class LossSection:
-    clip_low: float = MISSING  # ratio clipped below at 1 - clip_low
-    clip_high: float = MISSING  # ratio clipped above at 1 + clip_high
-    kl_coef: float = MISSING  # weight of the k3 KL to the reference policy (0: no reference pass)
-
-
-@dataclasses.dataclass
-class GrpoSection:
-    num_steps: int = MISSING  # GRPO steps
-    num_prompts_per_step: int = MISSING  # prompts (groups) per step
-    num_generations_per_prompt: int = MISSING  # responses sampled per prompt
-    temperature: float = MISSING  # sampling temperature of the rollout
-    leave_one_out: bool = MISSING  # baseline = mean of the other responses of the prompt
-    normalize_by_std: bool = MISSING  # divide advantages by the group's reward std
-    overlong_filter: bool = MISSING  # responses cut off at max_new_tokens do not count in the loss
-    dapo: DapoSection = dataclasses.field(default_factory=DapoSection)
-    loss: LossSection = dataclasses.field(default_factory=LossSection)
-
-
-@dataclasses.dataclass
-class LayoutSection:
-    data_parallel: int = MISSING  # DP ranks (model replicas)
-    tensor_parallel: int = MISSING  # TP ranks per replica
-    pipeline_parallel: int = MISSING  # PP stages per replica
-
-
-@dataclasses.dataclass
-class ModelSection:
-    hidden_size: int = MISSING  # transformer width
-    num_layers: int = MISSING  # transformer layers
-    num_attention_heads: int = MISSING  # attention heads
-    max_sequence_length: int = MISSING  # positions of the model
-
-
-@dataclasses.dataclass
-class PolicySection:
-    layout: LayoutSection = dataclasses.field(default_factory=LayoutSection)
-    model: ModelSection = dataclasses.field(default_factory=ModelSection)
-    learning_rate: float = MISSING  # Adam step size
-    train_global_batch_size: int | None = MISSING  # rows per optimizer step (null: one step per GRPO step)
-    micro_batch_tokens: int = MISSING  # sequence packing: token capacity of a micro-batch (0: no packing)
-    fetch_policy: FetchPolicyName = MISSING  # auto | independent | leader_broadcast
-    num_cpus_per_worker: float = MISSING  # Ray CPUs per policy rank
-    timeout_s: float = MISSING  # a worker call that takes longer fails the run
-
-
-@dataclasses.dataclass
-class TaskSection:
-    name: str = MISSING  # "addition" or an import path "package.module:Class"
-    kwargs: dict[str, Any] = MISSING  # constructor arguments of the task
-
-
-@dataclasses.dataclass
-class DataPlaneSection:
-    enabled: bool = MISSING  # true: bulk tensors go through the store; false: the legacy in-memory path
-    backend: StoreBackend = MISSING  # transfer_queue | memory
-    partition: str = MISSING  # the store partition of the run's rows
-    verify_integrity: bool = MISSING  # digest every row at put and check it at get
-
-
-@dataclasses.dataclass
-class RunConfig:
-    seed: int = MISSING  # initial weights, prompts and sampling
-    run: RunSection = dataclasses.field(default_factory=RunSection)
-    ray: RaySection = dataclasses.field(default_factory=RaySection)
-    grpo: GrpoSection = dataclasses.field(default_factory=GrpoSection)
-    policy: PolicySection = dataclasses.field(default_factory=PolicySection)
-    task: TaskSection = dataclasses.field(default_factory=TaskSection)
-    data_plane: DataPlaneSection = dataclasses.field(default_factory=DataPlaneSection)
-
-
-# ---------------------------------------------------------------- loading
-
-
-def _error_key(error: OmegaConfBaseException, fallback: str = "<config>") -> str:
-    key = getattr(error, "full_key", None) or getattr(error, "key", None)
-    return str(key) if key else fallback
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
-def parse_overrides(overrides: Sequence[str]) -> DictConfig:
-    """``["a.b=1", ...]`` as a config (values parsed as YAML scalars).
+def _attribute(key: str) -> attrs.Attribute:
+    """The schema field of dotted ``key`` (a value, a section, or a key under a mapping such as ``task.kwargs``).
 
     Raises:
-        ConfigError: an override is not ``key=value``.
+        ConfigError: no such key.
     """
+    cls, prefix = RunConfig, ""
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        fields = {a.name: a for a in schema_fields(cls)}
+        if part not in fields:
+            raise _unknown(part, prefix, list(fields))
+        found = fields[part]
+        section = found.metadata.get("section")
+        if depth == len(parts) - 1 or (section is None and _is_mapping(found.type)):
+            return found
+        if section is None:
+            raise ConfigError(key, f"is not a config key: {prefix}{part} takes a value, not keys")
+        cls, prefix = section, f"{prefix}{part}."
+    raise ConfigError(key, "is not a config key")  # not reached: the loop returns at the last part
+
+
+def _is_mapping(kind: Any) -> bool:
+    return getattr(kind, "__origin__", None) is Mapping
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """``["a.b=1", ...]`` as a nested mapping of values, each read by its key's type.
+
+    Raises:
+        ConfigError: an override is not ``key=value``, names no key (or a section), or has an ill-typed value.
+
+    Example:
+        >>> parse_overrides(["grpo.num_steps=3", "run.progress=off"])
+        {'grpo': {'num_steps': 3}, 'run': {'progress': <ProgressMode.off: 'off'>}}
+    """
+    out: dict[str, Any] = {}
     for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(item, "overrides must look like key=value (e.g. grpo.num_steps=10)")
+        key, node = _override(item)
+        attribute = _attribute(key)
+        section = attribute.metadata.get("section")
+        if section is not None:
+            raise _not_a_value(key, section)
+        kind = attribute.type if attribute.name == key.rsplit(".", 1)[-1] else Any
+        branch = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            branch = branch.setdefault(part, {})
+        branch[leaf] = read_value(kind, node, key)
+    return out
+
+
+def _override(item: str) -> tuple[str, Any]:
+    key, sep, text = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(item, "overrides must look like key=value (e.g. grpo.num_steps=10)")
+    attribute = _attribute(key)
+    scalar = "section" not in attribute.metadata and not _is_mapping(attribute.type)
+    return key, override_node(key, text, collections=not scalar)
+
+
+def _read_source(config_file: str | Path | None) -> tuple[str, str]:
+    if config_file is None:
+        return resources.files("shell").joinpath(DEFAULT_CONFIG).read_text(encoding="utf-8"), "shell/" + DEFAULT_CONFIG
+    path = Path(config_file)
+    if not path.exists():
+        raise ConfigError("--config", f"no such file: {path}")
+    if not path.is_file():
+        raise ConfigError("--config", f"must be a YAML file: {path} is a folder")
     try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as error:
-        raise ConfigError(_error_key(error), _first_line(error)) from None
+        return path.read_bytes().decode("utf-8"), str(path)
+    except UnicodeDecodeError as error:
+        raise ConfigError("--config", f"{path} is not a text (UTF-8) YAML file: byte {error.start} is 0x{error.object[error.start]:02x}") from None
+    except OSError as error:
+        raise ConfigError("--config", f"cannot read {path}: {error.strerror or error}") from None
 
 
-def load_run_config(overrides: Sequence[str] = (), *, config_file: str | Path | None = None) -> DictConfig:
-    """The checked run config: schema defaults, then the YAML file, then ``overrides``.
+def load_run_config(overrides: Sequence[str] = (), *, config_file: str | Path | None = None) -> RunConfig:
+    """The checked run config: the YAML file, then ``overrides`` (later ones win).
 
     Args:
         overrides: ``key=value`` strings, e.g. ``["grpo.num_steps=5", "data_plane.enabled=false"]``.
-        config_file: a YAML file (default: the packaged ``shell/grpo.yaml``).
+        config_file: a YAML file with every key (default: the packaged ``shell/grpo.yaml``),
+            e.g. a run's ``config.yaml``.
 
     Raises:
-        ConfigError: an unknown key, an ill-typed or impossible value, or an unreadable file.
+        ConfigError: an unknown key, an ill-typed or impossible value, an unreadable file, or a bad task.
 
     Example:
         >>> load_run_config(["grpo.num_steps=5"]).grpo.num_steps
         5
     """
-    schema = OmegaConf.structured(RunConfig)
-    if config_file is None:
-        text = resources.files("shell").joinpath(DEFAULT_CONFIG).read_text()
-        source = "shell/" + DEFAULT_CONFIG
-    else:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError("--config", f"no such file: {path}")
-        text, source = path.read_text(), str(path)
-    try:
-        file_config = OmegaConf.create(yaml.safe_load(text) or {})
-    except (yaml.YAMLError, OmegaConfBaseException) as error:
-        raise ConfigError(source, f"is not a valid YAML config: {_first_line(error)}") from None
-    if not isinstance(file_config, DictConfig):
-        raise ConfigError(source, f"must hold a mapping of config keys at the top level: got a {type(file_config).__name__}")
-    try:
-        merged = OmegaConf.merge(schema, file_config)
-    except OmegaConfBaseException as error:
-        raise ConfigError(_error_key(error, source), _first_line(error)) from None
-    for item in overrides:  # one by one, so an error names the override's own key
-        try:
-            merged = OmegaConf.merge(merged, parse_overrides([item]))
-        except OmegaConfBaseException as error:
-            raise ConfigError(_error_key(error, item.split("=", 1)[0]), _first_line(error)) from None
-    missing = sorted(OmegaConf.missing_keys(merged))
-    if missing:
-        raise ConfigError(missing[0], f"has no value: set it in {source} or as {missing[0]}=...")
-    check_run_config(merged)  # type: ignore[arg-type]
-    OmegaConf.set_readonly(merged, True)
-    return merged
+    text, source = _read_source(config_file)
+    tree = read_document(text, source)
+    for item in overrides:
+        key, node = _override(item)
+        set_path(tree, key, node)
+    return _build(RunConfig, tree, "", source)
 
 
-def _require(key: str, ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(key, message)
-
-
-def check_run_config(config: DictConfig) -> None:
-    """Reject values that are well typed but impossible.
+def run_config_from_dict(data: Mapping[str, Any]) -> RunConfig:
+    """A checked config from nested plain values (the inverse of :func:`run_config_to_dict`).
 
     Raises:
-        ConfigError: naming the first bad key.
+        ConfigError: as :func:`load_run_config`.
     """
-    c = config
-    _require("seed", c.seed >= 0, f"must be >= 0: got {c.seed}")
-    _require("run.checkpoint_every", c.run.checkpoint_every >= 0, f"must be >= 0: got {c.run.checkpoint_every}")
-    _require("run.samples_to_log", c.run.samples_to_log >= 0, f"must be >= 0: got {c.run.samples_to_log}")
-    _require("ray.num_cpus", c.ray.num_cpus >= 1, f"must be >= 1: got {c.ray.num_cpus}")
-    g = c.grpo
-    for name in ("num_steps", "num_prompts_per_step", "num_generations_per_prompt"):
-        _require(f"grpo.{name}", g[name] >= 1, f"must be >= 1: got {g[name]}")
-    _require("grpo.temperature", g.temperature > 0, f"must be > 0: got {g.temperature}")
-    _require(
-        "grpo.dapo.max_generation_batches",
-        g.dapo.max_generation_batches >= 1,
-        f"must be >= 1: got {g.dapo.max_generation_batches}",
-    )
-    _require("grpo.loss.clip_low", 0 <= g.loss.clip_low <= 1, f"must be in [0, 1]: got {g.loss.clip_low}")
-    _require("grpo.loss.clip_high", g.loss.clip_high >= 0, f"must be >= 0: got {g.loss.clip_high}")
-    _require("grpo.loss.kl_coef", g.loss.kl_coef >= 0, f"must be >= 0: got {g.loss.kl_coef}")
-    p = c.policy
-    for name in ("data_parallel", "tensor_parallel", "pipeline_parallel"):
-        _require(f"policy.layout.{name}", p.layout[name] >= 1, f"must be >= 1: got {p.layout[name]}")
-    for name in ("hidden_size", "num_layers", "num_attention_heads", "max_sequence_length"):
-        _require(f"policy.model.{name}", p.model[name] >= 1, f"must be >= 1: got {p.model[name]}")
-    heads, tp, pp = p.model.num_attention_heads, p.layout.tensor_parallel, p.layout.pipeline_parallel
-    _require(
-        "policy.model.hidden_size",
-        p.model.hidden_size % heads == 0,
-        f"must be a multiple of policy.model.num_attention_heads ({heads}): got {p.model.hidden_size}",
-    )
-    _require("policy.layout.tensor_parallel", heads % tp == 0,
-             f"must divide policy.model.num_attention_heads ({heads}): got {tp}")
-    _require("policy.layout.pipeline_parallel", p.model.num_layers % pp == 0,
-             f"must divide policy.model.num_layers ({p.model.num_layers}): got {pp}")
-    _require("policy.learning_rate", p.learning_rate > 0, f"must be > 0: got {p.learning_rate}")
-    rows = g.num_prompts_per_step * g.num_generations_per_prompt
-    gbs, dp = p.train_global_batch_size, p.layout.data_parallel
-    if gbs is not None:
-        _require(
-            "policy.train_global_batch_size",
-            gbs >= 1 and gbs % dp == 0 and rows % gbs == 0,
-            f"must be a multiple of policy.layout.data_parallel ({dp}) that divides the rows of a step "
-            f"(num_prompts_per_step * num_generations_per_prompt = {rows}): got {gbs}",
-        )
-    _require("policy.micro_batch_tokens", p.micro_batch_tokens >= 0, f"must be >= 0: got {p.micro_batch_tokens}")
-    _require("policy.num_cpus_per_worker", p.num_cpus_per_worker > 0, f"must be > 0: got {p.num_cpus_per_worker}")
-    _require("policy.timeout_s", p.timeout_s > 0, f"must be > 0: got {p.timeout_s}")
-    _require("task.name", bool(c.task.name), "must name a task: 'addition' or 'package.module:Class'")
-    _require("data_plane.partition", bool(c.data_plane.partition), "must be a non-empty string")
+    return _build(RunConfig, read_document(dump(data), "<dict>"), "", "the mapping")
 
 
-def describe_keys(defaults: DictConfig | None = None) -> Iterator[tuple[str, str, str]]:
-    """``(dotted key, default, comment)`` of every config key, in schema order (for ``--help``).
+# ---------------------------------------------------------------- writing and describing
+
+
+def run_config_to_dict(config: Any) -> dict[str, Any]:
+    """``config`` (or one of its sections) as nested plain values: enums as their names, mappings as dicts."""
+    out: dict[str, Any] = {}
+    for attribute in schema_fields(type(config)):
+        value = getattr(config, attribute.name)
+        if "section" in attribute.metadata:
+            out[attribute.name] = run_config_to_dict(value)
+        elif isinstance(value, enum.Enum):
+            out[attribute.name] = value.value
+        elif isinstance(value, FrozenDict):
+            out[attribute.name] = dict(value)
+        else:
+            out[attribute.name] = value
+    return out
+
+
+def dump_run_config(config: RunConfig) -> str:
+    """``config`` as YAML that :func:`load_run_config` reads back equal (``--config RUN_DIR/config.yaml``)."""
+    return "# The config of a `python -m shell.run` run; rerun it with --config this-file\n" + dump(run_config_to_dict(config))
+
+
+def save_run_config(config: RunConfig, path: str | Path) -> Path:
+    """Write :func:`dump_run_config` to ``path``."""
+    out = Path(path)
+    out.write_text(dump_run_config(config), encoding="utf-8")
+    return out
+
+
+def select(config: RunConfig, key: str) -> Any:
+    """The value at dotted ``key`` (``select(config, "policy.layout.data_parallel")``).
+
+    Raises:
+        ConfigError: ``key`` is not a config key.
+    """
+    _attribute(key)
+    node: Any = config
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def describe_keys(defaults: RunConfig | None = None) -> Iterator[tuple[str, str, str]]:
+    """``(dotted key, default, help)`` of every config key, in schema order (for ``--help``).
 
     Args:
         defaults: the config whose values to show (default: the packaged YAML's).
     """
     values = load_run_config() if defaults is None else defaults
-    for key, comment in _describe(RunConfig, ""):
-        value = OmegaConf.select(values, key)
-        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(
-            value.value if isinstance(value, Enum) else OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
-        )
-        yield key, shown, comment
+    yield from _describe(RunConfig, values, "")
 
 
-def _comments(cls: type) -> dict[str, str]:
-    comments: dict[str, str] = {}
-    for line in inspect.getsource(cls).splitlines():
-        stripped = line.strip()
-        if ":" in stripped and "#" in stripped and not stripped.startswith("#"):
-            name = stripped.split(":", 1)[0].strip()
-            comments[name] = stripped.split("#", 1)[1].strip()
-    return comments
+def _describe(cls: type, values: Any, prefix: str) -> Iterator[tuple[str, str, str]]:
+    for attribute in schema_fields(cls):
+        key, value = f"{prefix}{attribute.name}", getattr(values, attribute.name)
+        if "section" in attribute.metadata:
+            yield from _describe(attribute.metadata["section"], value, f"{key}.")
+        else:
+            yield key, _shown(value), attribute.metadata["help"]
 
 
-def _describe(cls: type, prefix: str) -> Iterator[tuple[str, str]]:
-    comments = _comments(cls)
-    hints = {f.name: f for f in dataclasses.fields(cls)}
-    for name, field in hints.items():
-        factory = field.default_factory
-        if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
-            yield from _describe(factory, f"{prefix}{name}.")  # type: ignore[arg-type]
-            continue
-        yield f"{prefix}{name}", comments.get(name, "")
+def _shown(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, Mapping):
+        return str(dict(value))
+    return str(value)

@@ -7,9 +7,14 @@ replica group (the TP x CP x PP ranks of one data-parallel index). Work is then
 dispatched in three steps (split in ``core.dispatch``, execute here, merge in
 ``core.dispatch``):
 
-* ``run_all``: every rank runs a method; one result per rank, in rank order;
-* ``run_sharded``: the shard of dp index ``d`` goes to every rank of replica
-  group ``d``; one result per dp index, the replica leader's.
+* a method declared ``@on_all_ranks`` (see :mod:`shell.worker`): every rank
+  runs it; ``group.call(W.method, ...)`` returns one result per rank, in rank order;
+* a method declared ``@sharded``: ``group.call(W.method, shards, ...)`` sends the
+  shard of dp index ``d`` to every rank of replica group ``d``; one result per
+  dp index, the replica leader's.
+
+Methods are passed by reference, never by name, so the call site leads to the
+definition and its declared dispatch.
 
 Invariants:
   * actor ``i`` holds rank ``i``: its ``rank``, ``world_size`` and ``coords``
@@ -26,283 +31,29 @@ until the process-group timeout: shut such a group down and build a new one.
 
 from __future__ import annotations
 
-import datetime
 import math
-import os
-import re
-import socket
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
-import attrs
 import ray
-import torch
-import torch.distributed as dist
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import RayError
 
-from core.dispatch import dp_results, replica_groups, shard_for_ranks
-from core.topology import AXES, Coords, NamedSharding, Rank
-from shell.broadcast import broadcast_tensors, describe
+from core.dispatch import dp_results, shard_for_ranks
+from core.topology import NamedSharding, Rank
+from shell.worker import ResolvedBackend, Worker, dispatch_of
+from shell.worker_errors import WorkerError, WorkerTimeoutError, failure_error, format_coords
+
+__all__ = ["Backend", "WorkerError", "WorkerGroup", "WorkerTimeoutError"]
 
 Backend = Literal["gloo", "nccl", "auto"]
-ResolvedBackend = Literal["gloo", "nccl"]
 ObjectRefs = list[ray.ObjectRef]
+R = TypeVar("R")
 
 _BACKENDS: tuple[str, ...] = get_args(Backend)
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _format_coords(coords: Coords) -> str:
-    return ", ".join(f"{axis}={coords[axis]}" for axis in AXES)
-
-
-# ---------------------------------------------------------------- errors
-
-
-class WorkerError(RuntimeError):
-    """A worker of a group failed: raised a Python exception, died, or did not answer in time.
-
-    Attributes:
-        rank: the lowest failed (or, on a timeout, still running) rank.
-        coords: that rank's coordinates on every axis.
-        method: the method that was called.
-        remote_traceback: the traceback text from the worker ("" when it died
-            or timed out and so has none).
-        failed_ranks: every rank known to have failed, ascending.
-        world_size: the number of ranks called.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        rank: Rank,
-        coords: Coords,
-        method: str,
-        remote_traceback: str = "",
-        failed_ranks: tuple[Rank, ...] = (),
-        world_size: int = 0,
-    ) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.coords = coords
-        self.method = method
-        self.remote_traceback = remote_traceback
-        self.failed_ranks = failed_ranks
-        self.world_size = world_size
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            _rebuild_error,
-            (type(self), str(self), self.rank, self.coords, self.method, self.remote_traceback, self.failed_ranks, self.world_size),
-        )
-
-
-class WorkerTimeoutError(WorkerError, TimeoutError):
-    """Some ranks did not finish within the call's timeout (none had failed); ``rank`` is the lowest of them."""
-
-
-def _rebuild_error(
-    cls: type[WorkerError],
-    message: str,
-    rank: Rank,
-    coords: Coords,
-    method: str,
-    remote_traceback: str,
-    failed_ranks: tuple[Rank, ...],
-    world_size: int,
-) -> WorkerError:
-    return cls(
-        message,
-        rank=rank,
-        coords=coords,
-        method=method,
-        remote_traceback=remote_traceback,
-        failed_ranks=failed_ranks,
-        world_size=world_size,
-    )
-
-
-# ---------------------------------------------------------------- the worker side
-
-
-@attrs.frozen
-class Placement:
-    """Where a worker sits: its rank in ``sharding`` and the process-group backend."""
-
-    rank: Rank = attrs.field(validator=attrs.validators.instance_of(int))
-    sharding: NamedSharding = attrs.field(validator=attrs.validators.instance_of(NamedSharding))
-    backend: ResolvedBackend = attrs.field(validator=attrs.validators.in_(("gloo", "nccl")))
-
-    def __attrs_post_init__(self) -> None:
-        if not 0 <= self.rank < self.sharding.world_size:
-            raise ValueError(f"'rank' must be in range({self.sharding.world_size}) (the world size): got {self.rank}")
-
-
-class Worker:
-    """Base class of the actors of a ``WorkerGroup``: subclass it and add methods.
-
-    The group constructs the subclass with its ``init_args`` / ``init_kwargs``
-    and then calls ``setup_distributed``; so ``rank``, ``coords``, the process
-    group and ``replica_group()`` are available in every method, but not yet in
-    ``__init__`` (put rank-dependent set-up in a method the driver calls next).
-
-    Example:
-        >>> class Echo(Worker):
-        ...     def where(self) -> tuple[int, int]:
-        ...         return self.rank, self.world_size
-        >>> group = WorkerGroup(Echo, NamedSharding({"data_parallel": 2}))  # doctest: +SKIP
-        >>> group.run_all("where")  # doctest: +SKIP
-        [(0, 2), (1, 2)]
-    """
-
-    _placement: Placement | None = None
-    _replica_group: dist.ProcessGroup | None = None
-
-    # ------------------------------------------------------------ set-up (called by the group)
-
-    def rendezvous_address(self) -> tuple[str, int]:
-        """This node's IP and a port that is free on it now: the process group's rendezvous (run on rank 0)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("", 0))
-            port = int(probe.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
-
-    def setup_distributed(
-        self,
-        *,
-        rank: Rank,
-        sharding: NamedSharding,
-        master_addr: str,
-        master_port: int,
-        backend: ResolvedBackend,
-        timeout_s: float,
-    ) -> None:
-        """Join the world process group as ``rank`` and create every replica group, in ``replica_groups`` order.
-
-        Raises:
-            RuntimeError: this process already joined a process group, or NCCL
-                was asked for and no CUDA device is visible.
-        """
-        if dist.is_initialized():
-            raise RuntimeError(f"rank {rank}: this worker already joined a process group; build a new WorkerGroup")
-        placement = Placement(rank=rank, sharding=sharding, backend=backend)
-        if backend == "nccl":
-            if not torch.cuda.is_available():
-                raise RuntimeError(
-                    f"rank {rank}: backend 'nccl' needs a CUDA device and none is visible; "
-                    f"give workers GPUs (num_gpus_per_worker=1) or use backend='gloo'"
-                )
-            torch.cuda.set_device(0)  # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPUs
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=sharding.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-        mine = None
-        for ranks in replica_groups(sharding):
-            if len(ranks) == 1:
-                continue  # every rank skips the same groups, so creation order still agrees
-            group = dist.new_group(ranks=list(ranks))
-            if rank in ranks:
-                mine = group
-        self._placement = placement
-        self._replica_group = mine
-
-    def process_id(self) -> int:
-        """This worker's OS process id (for operators: e.g. to find or signal a rank's process)."""
-        return os.getpid()
-
-    def destroy_distributed(self) -> None:
-        """Leave the process group (and its replica groups); a no-op when not joined."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self._replica_group = None
-
-    # ------------------------------------------------------------ where this worker sits
-
-    @property
-    def placement(self) -> Placement:
-        """This worker's rank, layout and backend.
-
-        Raises:
-            RuntimeError: the group has not set this worker up yet (e.g. inside ``__init__``).
-        """
-        if self._placement is None:
-            raise RuntimeError(
-                "this worker has no rank yet: the WorkerGroup sets it after __init__; "
-                "move rank-dependent set-up into a method the driver calls with group.run_all(...)"
-            )
-        return self._placement
-
-    @property
-    def rank(self) -> Rank:
-        """This worker's global rank."""
-        return self.placement.rank
-
-    @property
-    def world_size(self) -> int:
-        """The number of ranks in the group."""
-        return self.placement.sharding.world_size
-
-    @property
-    def sharding(self) -> NamedSharding:
-        """The group's layout."""
-        return self.placement.sharding
-
-    @property
-    def coords(self) -> Coords:
-        """This worker's coordinate on every axis (``sharding.coords(rank)``)."""
-        return self.placement.sharding.coords(self.placement.rank)
-
-    @property
-    def dp_index(self) -> int:
-        """This worker's data-parallel index."""
-        return self.placement.sharding.dp_index(self.placement.rank)
-
-    @property
-    def is_replica_leader(self) -> bool:
-        """Whether this worker leads its replica group (tp = cp = pp = 0)."""
-        return self.placement.sharding.is_replica_leader(self.placement.rank)
-
-    @property
-    def replica_leader(self) -> Rank:
-        """The global rank of this worker's replica-group leader."""
-        return self.placement.sharding.dp_leaders()[self.dp_index]
-
-    @property
-    def device(self) -> torch.device:
-        """Where this worker's collectives run: ``cuda:0`` under NCCL, else the CPU."""
-        return torch.device("cuda", 0) if self.placement.backend == "nccl" else torch.device("cpu")
-
-    def replica_group(self) -> dist.ProcessGroup | None:
-        """The process group of this worker's replica group (its TP x CP x PP ranks); None when it has one rank."""
-        _ = self.placement  # raises when not set up
-        return self._replica_group
-
-    def broadcast_from_leader(self, data: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """Hand the leader's tensors to every rank of this replica group (see ``shell.broadcast``).
-
-        Args:
-            data: on the replica leader, the tensors; on every other rank, None.
-
-        Returns:
-            The leader's tensors, on ``self.device``, on every rank of the replica group.
-        """
-        group = self.replica_group()
-        if group is None:  # a replica group of one rank: nothing to send
-            if data is None:
-                raise ValueError(f"'data' must be the tensors on a replica leader: got None on rank {self.rank}")
-            return {entry.name: data[entry.name].to(self.device) for entry in describe(data)}
-        return broadcast_tensors(
-            data if self.is_replica_leader else None, src=self.replica_leader, group=group, device=self.device
-        )
 
 
 # ---------------------------------------------------------------- the driver side
@@ -312,7 +63,7 @@ def _check_worker_cls(worker_cls: Any) -> type[Worker]:
     if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
         got = worker_cls.__name__ if isinstance(worker_cls, type) else type(worker_cls).__name__
         raise TypeError(
-            f"'worker_cls' must be a subclass of shell.worker_group.Worker: got {got}; "
+            f"'worker_cls' must be a subclass of shell.worker.Worker: got {got}; "
             f"declare it as `class MyWorker(Worker): ...` and pass the class, not an instance or a Ray actor class"
         )
     return worker_cls
@@ -377,7 +128,7 @@ class WorkerGroup:
     Example:
         >>> group = WorkerGroup(MyWorker, NamedSharding({"data_parallel": 2, "tensor_parallel": 2}),  # doctest: +SKIP
         ...                     num_cpus_per_worker=0.5)
-        >>> group.run_sharded("train_step", [batch_for_dp0, batch_for_dp1])  # doctest: +SKIP
+        >>> group.call(MyWorker.train_step, [batch_for_dp0, batch_for_dp1])  # doctest: +SKIP
         [metrics_dp0, metrics_dp1]
         >>> group.shutdown()  # doctest: +SKIP
     """
@@ -459,7 +210,7 @@ class WorkerGroup:
                 )
                 for r, actor in enumerate(self._actors)
             ]
-            self.collect(refs, method="setup_distributed", timeout_s=setup_timeout)
+            self._collect(refs, "setup_distributed", setup_timeout)
         except BaseException:
             self._actors = tuple(started)
             self._kill_actors()
@@ -500,90 +251,77 @@ class WorkerGroup:
 
     # ------------------------------------------------------------ dispatch
 
-    def _check_call(self, method: Any) -> str:
+    def _check_call(self, method: Any) -> tuple[str, str]:
         if self._closed:
             raise RuntimeError(f"this WorkerGroup ({self._name_prefix}) is shut down: build a new one")
-        if not isinstance(method, str):
-            raise TypeError(f"'method' must be a method name (str): got {type(method).__name__}; e.g. group.run_all('step')")
-        if not callable(getattr(self._worker_cls, method, None)):
-            raise ValueError(f"'method' must name a method of {self._worker_cls.__name__}: got {method!r}")
-        return method
+        dispatch = dispatch_of(method)
+        name = getattr(method, "__name__", "")
+        # The very function, defined on the worker class or a base (a same-named method of another class is not it).
+        defined_here = any(vars(klass).get(name) is method for klass in self._worker_cls.__mro__)
+        if not defined_here or getattr(getattr(self._worker_cls, name, None), "__worker_dispatch__", None) is None:
+            raise ValueError(
+                f"'method' must be a declared method of {self._worker_cls.__name__}: got {method.__qualname__}"
+            )
+        return name, dispatch
 
-    def submit_all(self, method: str, *args: Any, **kwargs: Any) -> ObjectRefs:
-        """Start ``method(*args, **kwargs)`` on every rank and return its refs in rank order (collect them with ``collect``).
+    def submit(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> ObjectRefs:
+        """Start an ``@on_all_ranks`` method on every rank; its refs in rank order (wait with ``collect``).
 
         Each argument is put into the object store once and shared by all ranks.
 
         Raises:
-            TypeError: ``method`` is not a str.
-            ValueError: ``worker_cls`` has no method ``method``.
+            TypeError: ``method`` is a name, undeclared, or declared ``@sharded``.
+            ValueError: ``method`` is not a method of the group's worker class.
             RuntimeError: the group is shut down.
         """
-        name = self._check_call(method)
+        name, dispatch = self._check_call(method)
+        if dispatch != "on_all_ranks":
+            raise TypeError(f"'method' must be declared @on_all_ranks to be submitted: {name} is @{dispatch}")
         shared_args = [_put_once(a) for a in args]
         shared_kwargs = {k: _put_once(v) for k, v in kwargs.items()}
         return [getattr(actor, name).remote(*shared_args, **shared_kwargs) for actor in self._actors]
 
-    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Run ``method(*args, **kwargs)`` on every rank; one result per rank, in rank order.
+    def call(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> list[R]:
+        """Run a declared worker method and wait for it (up to the group's ``timeout_s``).
 
-        Waits up to the group's ``timeout_s``.
+        * ``@on_all_ranks`` ``method(*args, **kwargs)`` runs on every rank: one
+          result per rank, in rank order;
+        * ``@sharded`` ``method(shard, *rest, **kwargs)`` with ``args = (shards,
+          *rest)``, one shard per dp index: every rank of replica group ``d``
+          runs it with shard ``d``; one result per dp index (the leader's;
+          the others are fetched, so their errors surface, and dropped).
 
         Raises:
-            TypeError, ValueError, RuntimeError: as ``submit_all``.
+            TypeError: ``method`` is a name or undeclared, or ``shards`` is not a sequence.
+            ValueError: ``method`` is not a method of the worker class, or
+                ``shards`` does not have one entry per dp index.
+            RuntimeError: the group is shut down.
             WorkerError: a rank raised or died (the lowest such rank is named).
             WorkerTimeoutError: some ranks did not finish within ``timeout_s``.
-        """
-        return self.collect(self.submit_all(method, *args, **kwargs), method=method)
-
-    def run_sharded(
-        self,
-        method: str,
-        shards: Sequence[Any],
-        *,
-        common_kwargs: Mapping[str, Any] | None = None,
-        timeout_s: float | None | Literal["group"] = "group",
-    ) -> list[Any]:
-        """Run ``method(shard, **common_kwargs)`` with each dp index's shard on every rank of its replica group.
-
-        Replicas (the tp / cp / pp ranks of one dp index) receive the same shard;
-        their results are fetched (so their errors surface) and dropped, keeping
-        the replica leader's: return small values from non-leaders.
-
-        Args:
-            method: the worker method's name.
-            shards: one entry per data-parallel index, in dp order.
-            common_kwargs: keyword arguments passed to every rank.
-            timeout_s: seconds to wait; ``"group"`` uses the group's ``timeout_s``.
-
-        Returns:
-            One result per data-parallel index, in dp order (the leaders').
-
-        Raises:
-            TypeError: ``method`` is not a str, or ``shards`` is not a sequence.
-            ValueError: ``shards`` does not have one entry per dp index, or
-                ``worker_cls`` has no method ``method``.
-            RuntimeError: the group is shut down.
-            WorkerError: a rank raised or died.
-            WorkerTimeoutError: some ranks did not finish in time.
 
         Example:
-            >>> group.run_sharded("score", [rows_dp0, rows_dp1], common_kwargs={"step": 3})  # doctest: +SKIP
+            >>> group.call(MyWorker.score, [rows_dp0, rows_dp1], step=3)  # doctest: +SKIP
             [scores_dp0, scores_dp1]
         """
-        name = self._check_call(method)
+        name, dispatch = self._check_call(method)
+        if dispatch == "on_all_ranks":
+            return self._collect(self.submit(method, *args, **kwargs), name, "group")
+        if not args:
+            raise TypeError(f"{name} is @sharded: call it as group.call(..., shards, ...) with one shard per dp index")
+        shards, rest = args[0], args[1:]
         indices = shard_for_ranks(self._sharding, shards)
-        if common_kwargs is not None and not isinstance(common_kwargs, Mapping):
-            raise TypeError(f"'common_kwargs' must be a mapping: got {type(common_kwargs).__name__}")
         shard_refs = [_put_once(shard) for shard in shards]
-        shared_kwargs = {k: _put_once(v) for k, v in (common_kwargs or {}).items()}
+        shared_args = [_put_once(a) for a in rest]
+        shared_kwargs = {k: _put_once(v) for k, v in kwargs.items()}
         refs = [
-            getattr(actor, name).remote(shard_refs[indices[r]], **shared_kwargs) for r, actor in enumerate(self._actors)
+            getattr(actor, name).remote(shard_refs[indices[r]], *shared_args, **shared_kwargs)
+            for r, actor in enumerate(self._actors)
         ]
-        wait = self._timeout_s if timeout_s == "group" else _check_timeout("timeout_s", timeout_s)
-        return list(dp_results(self._sharding, self.collect(refs, method=name, timeout_s=wait)))
+        return list(dp_results(self._sharding, self._collect(refs, name, "group")))
 
-    def collect(self, refs: ObjectRefs, *, method: str, timeout_s: float | None | Literal["group"] = "group") -> list[Any]:
+    def collect(
+        self, refs: ObjectRefs, method: Callable[..., R], *, timeout_s: float | None | Literal["group"] = "group"
+    ) -> list[R]:
         """Wait for one ref per rank and return their values in rank order, or raise ONE ``WorkerError``.
 
         Waits with ``ray.wait`` and fails fast: at the first failure it waits at
@@ -591,8 +329,8 @@ class WorkerGroup:
         the lowest failed rank and how many failed.
 
         Args:
-            refs: the refs of one call, one per rank in rank order (from ``submit_all``).
-            method: the method's name (for the error message).
+            refs: the refs of one call, one per rank in rank order (from ``submit``).
+            method: the method they run (the one given to ``submit``; errors name it).
             timeout_s: seconds to wait; ``"group"`` uses the group's ``timeout_s``.
 
         Raises:
@@ -601,10 +339,14 @@ class WorkerGroup:
                 traceback) or its actor died.
             WorkerTimeoutError: no rank failed but some did not finish in time.
         """
+        name, _ = self._check_call(method)
+        return self._collect(refs, name, timeout_s)
+
+    def _collect(self, refs: ObjectRefs, name: str, timeout_s: float | None | Literal["group"]) -> list[Any]:
         if len(refs) != self.world_size:
             raise ValueError(f"'refs' must have {self.world_size} entries (one per rank): got {len(refs)}")
         wait = self._timeout_s if timeout_s == "group" else _check_timeout("timeout_s", timeout_s)
-        return self._gather(refs, tuple(range(self.world_size)), method=method, timeout_s=wait)
+        return self._gather(refs, tuple(range(self.world_size)), method=name, timeout_s=wait)
 
     def _gather(self, refs: ObjectRefs, ranks: tuple[Rank, ...], *, method: str, timeout_s: float | None) -> list[Any]:
         wait = timeout_s
@@ -635,13 +377,13 @@ class WorkerGroup:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=left)
             harvest(ready)
         if failures:
-            raise self._failure(method, failures, still_running=len(pending), called=len(refs))
+            raise failure_error(self._sharding, method, failures, still_running=len(pending), called=len(refs))
         if pending:
             running = sorted(rank_of[ref] for ref in pending)
             first = running[0]
             coords = self._sharding.coords(first)
             raise WorkerTimeoutError(
-                f"rank {first} ({_format_coords(coords)}) did not finish '{method}' within {wait} s "
+                f"rank {first} ({format_coords(coords)}) did not finish '{method}' within {wait} s "
                 f"[{len(running)} of {len(refs)} ranks still running: {running[:8]}"
                 f"{' ...' if len(running) > 8 else ''}]",
                 rank=first,
@@ -650,43 +392,6 @@ class WorkerGroup:
                 world_size=self.world_size,
             )
         return [values[r] for r in ranks]
-
-    def _failure(
-        self, method: str, failures: Mapping[Rank, RayError], *, still_running: int, called: int
-    ) -> WorkerError:
-        failed = tuple(sorted(failures))
-        # A dead actor is the cause; ranks in a collective with it fail as a consequence: name it first.
-        dead = [r for r in failed if isinstance(failures[r], RayActorError)]
-        first = dead[0] if dead else failed[0]
-        shown = "dead rank shown" if dead and len(failed) > 1 else "lowest rank shown"
-        error = failures[first]
-        coords = self._sharding.coords(first)
-        where = f"rank {first} ({_format_coords(coords)})"
-        tally = f"{len(failed)} of {called} ranks failed"
-        if still_running:
-            tally += f", {still_running} still running"
-        if isinstance(error, RayTaskError):
-            cause = error.cause
-            summary = f"{type(cause).__name__}: {cause}"
-            remote = _ANSI.sub("", str(error))  # ray's own text: the remote process, then its traceback
-            message = f"{where} raised in '{method}': {summary} [{tally}; {shown}]\n--- remote traceback of rank {first} ---\n{remote}"
-        elif isinstance(error, RayActorError):
-            remote = ""
-            message = f"{where} died during '{method}': its actor is dead [{tally}; {shown}]\n{error}"
-        else:
-            remote = ""
-            message = f"{where} failed in '{method}': {type(error).__name__}: {error} [{tally}; {shown}]"
-        failure = WorkerError(
-            message,
-            rank=first,
-            coords=coords,
-            method=method,
-            remote_traceback=remote,
-            failed_ranks=failed,
-            world_size=self.world_size,
-        )
-        failure.__cause__ = error
-        return failure
 
     # ------------------------------------------------------------ shutdown
 

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m shell.bench {balance,dataplane,policy,grpo} [options] [--markdown]``."""
+"""Entry point: ``python -m shell.bench {balance,dataplane,policy,grpo,reward,revisions} [options] [--markdown]``."""
 
 from __future__ import annotations
 
@@ -35,6 +35,28 @@ def main(argv: list[str] | None = None) -> int:
     grpo.add_argument("--repeats", type=int, default=3, help="runs per path, order alternated (default 3)")
     grpo.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides (see python -m shell.run --help)")
     grpo.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    reward = sub.add_parser(
+        "reward", help="the default run over several seeds: reward, entropy and step time per seed (Markdown), and the curves"
+    )
+    reward.add_argument("--seeds", type=int, default=3, help="number of seeds, run one after the other (default 3)")
+    reward.add_argument("--steps", type=int, default=200, help="steps per run (default 200, the default run's)")
+    reward.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
+    reward.add_argument(
+        "--runs-dir", default=None,
+        help="where the runs go, one folder seed<s> each (default runs/reward-<timestamp>)",
+    )
+    reward.add_argument("--reuse", action="store_true", help="read the runs already in --runs-dir instead of running them")
+    reward.add_argument(
+        "--plot", default=None, help="the PNG to write (default RUNS_DIR/reward_curve.png; the README's is docs/img/reward_curve.png)",
+    )
+    reward.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides (none: the default run)")
+    reward.set_defaults(markdown=True)
+    revisions = sub.add_parser("revisions", help="GRPO step time of this tree against another git revision, paired")
+    revisions.add_argument("--base", required=True, help="the git revision to compare against (e.g. main, HEAD~3)")
+    revisions.add_argument("--steps", type=int, default=20, help="steps per run (default 20)")
+    revisions.add_argument("--repeats", type=int, default=3, help="paired runs per transport, order alternated (default 3)")
+    revisions.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides (see python -m shell.run --help)")
+    revisions.add_argument("--markdown", action="store_true", help="print Markdown tables")
     args = parser.parse_args(argv)
     if getattr(args, "seeds", 1) < 1:
         parser.error(f"--seeds must be >= 1: got {args.seeds}")
@@ -62,6 +84,31 @@ def main(argv: list[str] | None = None) -> int:
         from shell.bench.grpo import run as run_grpo
 
         run_grpo(GrpoBenchConfig(steps=args.steps, repeats=args.repeats, overrides=tuple(args.overrides)), report)
+    elif args.name == "reward":
+        import time
+
+        from shell.bench.reward import RewardBenchConfig
+        from shell.bench.reward import run as run_reward
+
+        if args.reuse and args.runs_dir is None:
+            parser.error("--reuse needs --runs-dir (the folder holding the seed<s> runs)")
+        try:
+            cfg = RewardBenchConfig(
+                seeds=args.seeds, steps=args.steps, first_seed=args.first_seed, reuse=args.reuse,
+                runs_dir=args.runs_dir or f"runs/reward-{time.strftime('%Y%m%d-%H%M%S')}",
+                plot=args.plot, overrides=tuple(args.overrides),
+            )
+        except ValueError as error:
+            parser.error(str(error))
+        run_reward(cfg, report)
+    elif args.name == "revisions":
+        from shell.bench.revisions import RevisionsConfig
+        from shell.bench.revisions import run as run_revisions
+
+        run_revisions(
+            RevisionsConfig(base=args.base, steps=args.steps, repeats=args.repeats, overrides=tuple(args.overrides)),
+            report,
+        )
     return 0
 
 

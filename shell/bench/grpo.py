@@ -11,8 +11,6 @@ losses and grad norms must be bitwise equal between the paths.
 
 from __future__ import annotations
 
-import logging
-import os
 import statistics
 import time
 import warnings
@@ -20,7 +18,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-import ray
 
 from shell.bench.report import Report
 
@@ -58,26 +55,20 @@ def _median(records: Sequence[dict[str, Any]], key: str, warmup: int) -> float:
 def run(cfg: GrpoBenchConfig, report: Report) -> None:
     """Measure both paths into ``report`` (starts and stops its own Ray and TransferQueue)."""
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed", category=UserWarning)
-    logging.getLogger("transfer_queue").setLevel(logging.ERROR)
-    from adapters.transfer_queue import TransferQueueStore
+    from shell.bench.cluster import bench_cluster  # Ray and TransferQueue load here, not on import
 
     if cfg.steps <= cfg.warmup:
         raise ValueError(f"'steps' must exceed 'warmup' ({cfg.warmup}): got {cfg.steps}")
-    ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
-    store = TransferQueueStore.start()
-    report.start(total=2 * cfg.repeats, description="GRPO runs")
     results: dict[str, list[list[dict[str, Any]]]] = {"legacy": [], "data plane": []}
-    started = time.perf_counter()
-    try:
+    with bench_cluster("grpo"):
+        report.start(total=2 * cfg.repeats, description="GRPO runs")
+        started = time.perf_counter()
         for repeat in range(cfg.repeats):
             order = ("legacy", "data plane") if repeat % 2 == 0 else ("data plane", "legacy")
             for path in order:
                 enabled = "true" if path == "data plane" else "false"
                 results[path].append(_run([*cfg.overrides, f"data_plane.enabled={enabled}"], cfg.steps))
                 report.advance()
-    finally:
-        store.close()
-        ray.shutdown()
     rows = []
     for path, runs in results.items():
         rows.append([

@@ -1,43 +1,45 @@
-"""``python -m shell.bench policy``: bytes through the driver and wall time, legacy ``Policy`` vs ``DataPlanePolicy``.
+"""``python -m shell.bench policy``: bytes through the driver and wall time, one ``Policy`` over its two transports.
 
 Workload: ``rows`` (default 256) ragged rows (lengths uniform in 8..64) on a
 DP=2 group of megatron tiny-GPT workers on CPU (gloo), one GRPO train call of
-two optimizer steps. Both policies drive the same group.
+two optimizer steps. The same :class:`shell.policy.Policy` runs over
+:class:`shell.transport.LegacyTransport` ("legacy": the rows travel through the
+driver) and :class:`shell.transport.DataPlaneTransport` ("data plane": the
+ranks fetch them from TransferQueue); both drive the same group.
 
 Bytes through the driver are the serialized (``cloudpickle``) sizes of what
-each call hands to the workers (one shard per DP rank, plus the common
+each call hands to the workers (one rank input per DP rank, plus the common
 keyword arguments) and of what comes back, measured at the group's
-``run_sharded``. The rollout's one ``first_write`` into the store is not
-counted: it happens once per step in either design (legacy keeps the batch on
-the driver instead). Wall time is the median of ``repeats`` calls after one
-warm-up call.
+``call`` of a ``@sharded`` worker method. The rollout's one ``first_write``
+into the store is not counted: it happens once per step in either design
+(legacy keeps the batch on the driver instead). Wall time is the median of
+``repeats`` calls after one warm-up call.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
-import uuid
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import cloudpickle
-import ray
 import torch
 from tensordict import TensorDict
 
 from adapters.transfer_queue import TransferQueueStore
+from core.step_plan import legacy_meta
 from core.topology import NamedSharding
+from shell.bench.cluster import bench_cluster
 from shell.bench.report import Report
 from shell.column_io import first_write
 from shell.loss import GRPOLoss
-from shell.policy import DataPlanePolicy, Policy, PolicyConfig, build_group
+from shell.policy import Policy, PolicyConfig, build_group
+from shell.step_rows import StepRows
+from shell.transport import DataPlaneTransport, LegacyTransport
+from shell.worker import dispatch_of
 from shell.worker_group import WorkerGroup
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @attrs.frozen
@@ -50,17 +52,20 @@ class PolicyBenchConfig:
 
 
 class MeteredGroup:
-    """Forwards to a ``WorkerGroup``, recording the serialized bytes ``run_sharded`` sends and receives."""
+    """Forwards to a ``WorkerGroup``, recording the serialized bytes its ``@sharded`` calls send and receive."""
 
     def __init__(self, group: WorkerGroup) -> None:
         self._group = group
         self.sent = 0
         self.received = 0
 
-    def run_sharded(self, method: str, shards: Sequence[Any], *, common_kwargs: Mapping[str, Any] | None = None) -> list[Any]:
+    def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        if dispatch_of(method) != "sharded":
+            return self._group.call(method, *args, **kwargs)
+        shards, rest = args[0], args[1:]
         self.sent += sum(len(cloudpickle.dumps(s)) for s in shards)
-        self.sent += sum(len(cloudpickle.dumps(v)) for v in (common_kwargs or {}).values())
-        results = self._group.run_sharded(method, shards, common_kwargs=common_kwargs)
+        self.sent += sum(len(cloudpickle.dumps(v)) for v in (*rest, *kwargs.values()))
+        results = self._group.call(method, *args, **kwargs)
         self.received += sum(len(cloudpickle.dumps(r)) for r in results)
         return results
 
@@ -105,55 +110,49 @@ def _measure(call: Callable[[], Any], metered: MeteredGroup, repeats: int) -> tu
 
 def run(cfg: PolicyBenchConfig, report: Report) -> None:
     """Measure both paths into ``report`` (starts and stops its own Ray and TransferQueue)."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(
-        num_cpus=max(8, os.cpu_count() or 1),
-        include_dashboard=False,
-        namespace=f"policy-bench-{uuid.uuid4().hex[:6]}",
-        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    config = PolicyConfig(
+        sharding=NamedSharding({"data_parallel": 2}), seed=cfg.seed, train_global_batch_size=cfg.rows // 2
     )
-    report.start(total=5, description="policy benchmark")
-    store = TransferQueueStore.start()
-    try:
-        config = PolicyConfig(
-            sharding=NamedSharding({"data_parallel": 2}), seed=cfg.seed, train_global_batch_size=cfg.rows // 2
-        )
-        group = build_group(config)
-        report.advance()
-        try:
+    with bench_cluster("policy") as store:
+        report.start(total=5, description="policy benchmark")
+        with build_group(config, client_factory=TransferQueueStore.attach) as group:
+            report.advance()
             metered = MeteredGroup(group)
-            legacy = Policy(config, group=metered)  # type: ignore[arg-type]
-            plane = DataPlanePolicy(config, store, group=metered)  # type: ignore[arg-type]
+            plane_transport = DataPlaneTransport(store, TransferQueueStore.attach, partition_id="policy-bench")
+            legacy = Policy(config, LegacyTransport(), group=metered)  # type: ignore[arg-type]
+            plane = Policy(config, plane_transport, group=metered)  # type: ignore[arg-type]
             loss = GRPOLoss(kl_coef=0.0)
             data = workload(cfg)
+            lengths = data["lengths"].tolist()
             meta = first_write(
                 store,
                 {name: data[name] for name in ("input_ids", "token_mask", "advantages")},
                 keys=[f"b{i}" for i in range(cfg.rows)],
                 partition_id="policy-bench",
-                lengths=data["lengths"].tolist(),
+                lengths=lengths,
                 token_fields=["input_ids", "token_mask"],
             )
-            rows: dict[str, dict[str, tuple[float, int, int]]] = {}
-            with plane.step(meta) as step:
-                rows["logprobs"] = {
-                    "legacy": _measure(lambda: legacy.get_logprobs(data), metered, cfg.repeats),
-                    "data plane": _measure(lambda: plane.get_logprobs(step), metered, cfg.repeats),
+            stored = plane.prepare(StepRows(meta))
+            plane_transport.admit(stored, {})  # the step owns the keys: finish clears them
+            try:
+                in_memory = legacy.prepare(StepRows(legacy_meta(lengths), data))
+                rows: dict[str, dict[str, tuple[float, int, int]]] = {
+                    "logprobs": {
+                        "legacy": _measure(lambda: legacy.logprobs(in_memory), metered, cfg.repeats),
+                        "data plane": _measure(lambda: plane.logprobs(stored), metered, cfg.repeats),
+                    }
                 }
                 report.advance()
-                data.update(legacy.get_logprobs(data))
-                step = step.with_fields(["prev_logprobs"])
+                in_memory = legacy.logprobs(in_memory)
+                stored = plane.logprobs(stored)
                 metered.take()
                 rows["train"] = {
-                    "legacy": _measure(lambda: legacy.train(data, loss), metered, cfg.repeats),
-                    "data plane": _measure(lambda: plane.train(step, loss), metered, cfg.repeats),
+                    "legacy": _measure(lambda: legacy.train(in_memory, loss), metered, cfg.repeats),
+                    "data plane": _measure(lambda: plane.train(stored, loss), metered, cfg.repeats),
                 }
                 report.advance()
-        finally:
-            group.shutdown()
-    finally:
-        store.close()
-        ray.shutdown()
+            finally:
+                plane_transport.finish(stored)
     table = []
     for call, paths in rows.items():
         (lt, ls, lr), (dt, ds, dr) = paths["legacy"], paths["data plane"]

@@ -35,8 +35,8 @@ import ray
 from adapters.memory import MemoryStore
 from adapters.ray_memory import RayMemoryStore
 from adapters.ray_memory import is_running as ray_memory_is_running
+from adapters.store_port import DataPlaneClient
 from adapters.transfer_queue import TransferQueueStore, is_running
-from shell.dataplane import DataPlaneClient
 
 StoreFactory = Callable[[pytest.FixtureRequest], DataPlaneClient]
 
@@ -80,6 +80,7 @@ def ray_cluster() -> Iterator[None]:
     """
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
+        address="local",  # a cluster of our own, even beside a `ray start` one (see shell/ray_cluster.py)
         num_cpus=max(8, os.cpu_count() or 1),
         include_dashboard=False,
         namespace="rl-dataplane-tests",

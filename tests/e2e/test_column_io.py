@@ -5,11 +5,12 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from tensordict import TensorDict
 
+from adapters.store_port import DataPlaneClient
 from core.codec import is_jagged, jagged_lengths
-from shell.column_io import GLOBAL_FORWARD_PAD_SEQLEN, first_write, read_columns, write_columns
-from shell.dataplane import DataPlaneClient
+from core.fields import GLOBAL_FORWARD_PAD_SEQLEN
+from core.meta import KVBatchMeta
+from shell.column_io import first_write, read_columns, write_columns
 
 LENGTHS = [3, 0, 6, 2]
 KEYS = ["u0_g0", "u0_g1", "u1_g0", "u1_g1"]
@@ -75,6 +76,20 @@ def test_write_columns_rejects_bad_token_fields(store: DataPlaneClient, partitio
     with pytest.raises(ValueError, match=r"'meta.sequence_lengths' is needed"):
         write_columns(store, no_lengths, {"x": torch.zeros(4, 8)}, token_fields=["x"])
     assert "x" not in store.describe(KEYS, partition).fields
+
+
+def test_write_columns_to_unstored_keys_raises_and_writes_nothing(store: DataPlaneClient, partition: str) -> None:
+    """Writing results under keys no first write stored (never put, or cleared) raises KeyError naming the
+    partition and the keys, and writes nothing: no orphan key, no new field on the stored keys."""
+    meta = first_write(store, _rollout(), keys=KEYS, partition_id=partition, lengths=LENGTHS, token_fields=["input_ids"])
+    ghosts = KVBatchMeta(partition, [KEYS[0], "ghost_a", "ghost_b"], sequence_lengths=[3, 1, 2])
+    with pytest.raises(KeyError, match=rf"orphan keys: 2 keys are not stored in partition '{partition}': \['ghost_a', 'ghost_b'\]"):
+        write_columns(store, ghosts, {"advantages": torch.ones(3)})
+    store.clear(KEYS[2:], partition)
+    with pytest.raises(KeyError, match=r"not stored in partition .*\['u1_g0', 'u1_g1'\]"):
+        write_columns(store, meta, {"advantages": torch.ones(4), "prev_logprobs": torch.zeros(4, 8)})
+    assert store.list_keys(partition) == tuple(KEYS[:2])
+    assert "advantages" not in store.describe(KEYS[:2], partition).fields
 
 
 def test_first_write_rejects_missing_token_field(store: DataPlaneClient, partition: str) -> None:

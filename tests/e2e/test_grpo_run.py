@@ -8,6 +8,7 @@ of starting its own, and leaves both running.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,11 @@ import pytest
 import torch
 
 from adapters.transfer_queue import TransferQueueStore
+from core.addition import AdditionTask
 from shell import run as shell_run
 from shell.grpo_trainer import GRPOTrainer, StepError, load_checkpoint
 from shell.run_config import load_run_config
+from shell.rollout import RolloutWorker
 from shell.run_log import read_metrics
 from shell.worker_group import WorkerError
 from tests.e2e.grpo_faults import FAULT_MESSAGE, RaisingLoss
@@ -37,10 +40,10 @@ SMALL = [
     "run.progress=plain",
 ]
 REQUIRED_KEYS = (
-    "step", "reward_mean", "loss", "kl", "grad_norm", "step_time_s", "data_plane_ms", "data_plane_bytes",
+    "step", "reward_mean", "entropy", "loss", "kl", "grad_norm", "step_time_s", "data_plane_ms", "data_plane_bytes",
     "driver_bytes", "store_keys_outstanding",
 )
-PARITY_KEYS = ("reward_mean", "loss", "kl", "grad_norm")
+PARITY_KEYS = ("reward_mean", "entropy", "loss", "kl", "grad_norm")
 
 
 def _run(args: list[str]) -> int:
@@ -77,6 +80,16 @@ def test_run_paths_agree_bitwise(runs: dict[str, Any]) -> None:
         assert {k: a[k] for k in PARITY_KEYS} == {k: b[k] for k in PARITY_KEYS}, f"step {a['step']}"
     assert any(r["grad_norm"] > 0 for r in plane), "the runs must actually train"
     assert any(r["kl"] != 0 for r in plane[1:]), "the reference pass must run (kl_coef > 0)"
+
+
+def test_run_records_policy_entropy_within_bounds(runs: dict[str, Any]) -> None:
+    """Each step's ``entropy`` is finite and in [0, log V], V the task's vocabulary (the ids sampling may draw)."""
+    bound = math.log(AdditionTask().tokenizer.vocab_size)
+    for name, run in runs.items():
+        for record in run["records"]:
+            entropy = record["entropy"]
+            assert isinstance(entropy, float) and math.isfinite(entropy), f"{name} step {record['step']}: {entropy!r}"
+            assert 0.0 <= entropy <= bound + 1e-6, f"{name} step {record['step']}: {entropy} not in [0, {bound}]"
 
 
 def test_run_data_plane_leaves_no_keys(runs: dict[str, Any], partition: str) -> None:
@@ -116,17 +129,40 @@ def test_run_writes_metrics_plot_samples_and_checkpoint(runs: dict[str, Any]) ->
 
 
 def test_run_resume_continues_from_checkpoint(runs: dict[str, Any], tmp_path: Path, partition: str) -> None:
-    """``--resume`` appends steps num_steps+1.. to the same metrics file, starting from the saved weights."""
+    """``--resume`` appends steps num_steps+1.. to the same metrics and samples files, starting from the saved
+    weights; records a crashed run logged after its checkpoint are dropped first, so every step appears once."""
     run_dir = tmp_path / "resumed"
     source = runs["data_plane"]["dir"]
     run_dir.mkdir()
-    for name in ("metrics.jsonl", "checkpoint.pt"):
+    for name in ("metrics.jsonl", "checkpoint.pt", "samples.jsonl"):
         (run_dir / name).write_bytes((source / name).read_bytes())
+    for name in ("metrics.jsonl", "samples.jsonl"):  # a step logged after the checkpoint, before a crash
+        with (run_dir / name).open("a") as file:
+            file.write(json.dumps({"step": STEPS + 1, "crashed": True}) + "\n")
     status = _run([*SMALL, f"grpo.num_steps={STEPS + 2}", f"data_plane.partition={partition}", "--resume", str(run_dir)])
     assert status == 0
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 3))
     assert load_checkpoint(run_dir)["step"] == STEPS + 2
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    per_step = [s["step"] for s in samples]
+    assert per_step == sorted(per_step) and set(per_step) == set(range(1, STEPS + 3))
+    assert not any(r.get("crashed") for r in records + samples)
+    assert per_step.count(STEPS + 1) == per_step.count(1)
+
+
+def test_run_refuses_to_reuse_a_run_dir_and_resume_to_no_new_step(
+    runs: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A finished run's folder is refused without --resume (naming --resume), and --resume with
+    grpo.num_steps at the checkpoint's step is an error (exit 2), not 'done'; its files are untouched."""
+    source = runs["legacy"]["dir"]
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    assert _run([*SMALL, f"run.dir={source}"]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert _run([*SMALL, "--resume", str(source)]) == 2
+    assert "must exceed the checkpoint's step" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before
 
 
 def test_run_rejects_bad_config_before_starting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -172,7 +208,7 @@ def test_trainer_refit_keeps_rollout_in_sync(tq_store_session: TransferQueueStor
     with GRPOTrainer(config) as trainer:
         trainer.step(1)
         policy = trainer.policy_state()
-        (rollout,) = trainer.rollout.run_all("weights")  # type: ignore[union-attr]
+        (rollout,) = trainer.rollout.call(RolloutWorker.weights)  # type: ignore[union-attr]
         assert policy.keys() == rollout.keys()
         assert all(torch.equal(policy[k], rollout[k]) for k in policy)
 

@@ -12,6 +12,7 @@ both.
 
 from __future__ import annotations
 
+import inspect
 import io
 import math
 import queue
@@ -27,8 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from adapters.megatron import MegatronGPTBackend, MicroBatch, TinyGPTConfig
+from adapters.megatron import MegatronGPTBackend
 from adapters.megatron_cpu import apply_cpu_shim, cpu_shim_applied
+from adapters.model_port import Generation, MicroBatch, PolicyBackend
+from core.model_config import TinyGPTConfig
 from core.topology import NamedSharding
 
 pytestmark = pytest.mark.e2e
@@ -57,6 +60,21 @@ def _loss_fn(logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Ten
 
 def _backend(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = SEED) -> MegatronGPTBackend:
     return MegatronGPTBackend(CONFIG, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, seed=seed)
+
+
+def _reference_entropy(backend: MegatronGPTBackend, generation: Generation, vocab_limit: int | None) -> torch.Tensor:
+    """Per row, the summed entropy of its response tokens' distributions, each read off by scoring every allowed next id."""
+    ids = torch.arange(CONFIG.vocab_size if vocab_limit is None else vocab_limit)
+    sums = []
+    for row in range(len(GEN_PROMPTS)):
+        total = 0.0
+        for t in range(int(GEN_PROMPT_LENGTHS[row]), int(generation.lengths[row])):
+            candidates = torch.cat([generation.sequences[row, :t].expand(len(ids), -1), ids[:, None]], dim=1)
+            logp = backend.logprobs(candidates, torch.full((len(ids),), t + 1))[:, -1].double()
+            logp = logp - torch.logsumexp(logp, dim=0)  # renormalised over the allowed ids
+            total += float(-(logp.exp() * logp).sum())
+        sums.append(total)
+    return torch.tensor(sums, dtype=torch.float64)
 
 
 def _capture(call: Callable[[], object]) -> BaseException | None:
@@ -132,6 +150,10 @@ def _single_rank(rank: int, inputs: Results) -> Results:
         GEN_PROMPTS, GEN_PROMPT_LENGTHS, max_new_tokens=GEN_NEW_TOKENS, eos_id=GEN_EOS,
         generator=torch.Generator().manual_seed(8),
     )
+    out["reference_entropy"] = {
+        name: _reference_entropy(sampler, out[name], limit)
+        for name, limit in (("generated", None), ("generated_limited", GEN_VOCAB_LIMIT))
+    }
 
     def generate(**kwargs: Any) -> object:
         args = {"max_new_tokens": GEN_NEW_TOKENS, "eos_id": GEN_EOS, "generator": torch.Generator(), **kwargs}
@@ -315,18 +337,14 @@ def _grad_norms(steps: list[dict[str, Any]]) -> list[float]:
 # -- in-process checks (no process group) --------------------------------------------------------------
 
 
-def test_tiny_gpt_config_rejects_heads_not_dividing_hidden() -> None:
-    """hidden_size must split evenly over the attention heads."""
-    with pytest.raises(ValueError, match=r"'hidden_size' must be a multiple of 'num_attention_heads' \(5\): got 64"):
-        TinyGPTConfig(num_attention_heads=5)
-
-
-def test_tiny_gpt_config_rejects_non_int_sizes() -> None:
-    """Sizes are positive ints."""
-    with pytest.raises(TypeError, match=r"'vocab_size' must be int: got float"):
-        TinyGPTConfig(vocab_size=32.0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"'num_layers' must be a positive int: got 0"):
-        TinyGPTConfig(num_layers=0)
+def test_megatron_backend_implements_the_model_port() -> None:
+    """MegatronGPTBackend is a PolicyBackend: every method of the port, with the port's parameters."""
+    assert issubclass(MegatronGPTBackend, PolicyBackend)
+    members = [name for name in vars(PolicyBackend) if not name.startswith("_") and callable(getattr(PolicyBackend, name))]
+    assert {"logprobs", "reference_logprobs", "train_step", "state_dict", "load_state_dict", "generate"} <= set(members)
+    for name in members:
+        port = inspect.signature(getattr(PolicyBackend, name)).parameters
+        assert inspect.signature(getattr(MegatronGPTBackend, name)).parameters.keys() == port.keys(), name
 
 
 def test_backend_rejects_context_parallel() -> None:
@@ -493,15 +511,15 @@ def test_load_state_dict_rejects_missing_keys_and_wrong_shapes(single: Results) 
 
 def test_generate_is_deterministic_for_a_generator_seed(single: Results) -> None:
     """The same weights, prompts and generator seed give the same tokens; another seed gives others."""
-    (seqs, lengths), (again, again_lengths) = single["generated"], single["generated_again"]
-    assert torch.equal(seqs, again) and torch.equal(lengths, again_lengths)
-    other, _ = single["generated_other_seed"]
-    assert not torch.equal(seqs, other)
+    first, again = single["generated"], single["generated_again"]
+    assert torch.equal(first.sequences, again.sequences) and torch.equal(first.lengths, again.lengths)
+    assert torch.equal(first.entropy, again.entropy)
+    assert not torch.equal(first.sequences, single["generated_other_seed"].sequences)
 
 
 def test_generate_keeps_prompts_and_stops_at_the_first_eos(single: Results) -> None:
     """Each row is its prompt, then 1..max_new_tokens sampled tokens ending at the first EOS, then zeros."""
-    seqs, lengths = single["generated"]
+    seqs, lengths = single["generated"].sequences, single["generated"].lengths
     assert lengths.dtype == torch.long and seqs.shape[1] == int(lengths.max())
     for row in range(len(GEN_PROMPTS)):
         start, end = int(GEN_PROMPT_LENGTHS[row]), int(lengths[row])
@@ -515,9 +533,19 @@ def test_generate_keeps_prompts_and_stops_at_the_first_eos(single: Results) -> N
 
 def test_generate_samples_only_below_the_vocab_limit(single: Results) -> None:
     """With vocab_limit, every sampled token id is below it."""
-    seqs, lengths = single["generated_limited"]
+    seqs, lengths = single["generated_limited"].sequences, single["generated_limited"].lengths
     for row in range(len(GEN_PROMPTS)):
         assert max(seqs[row, int(GEN_PROMPT_LENGTHS[row]) : int(lengths[row])].tolist()) < GEN_VOCAB_LIMIT
+
+
+@pytest.mark.parametrize(("name", "vocab"), [("generated", CONFIG.vocab_size), ("generated_limited", GEN_VOCAB_LIMIT)])
+def test_generate_entropy_matches_the_scored_distributions(single: Results, name: str, vocab: int) -> None:
+    """Per row, the entropy is the summed entropy of each response token's (masked) distribution, in [0, n log V]."""
+    generation: Generation = single[name]
+    tokens = (generation.lengths - GEN_PROMPT_LENGTHS).double()
+    assert generation.entropy.dtype == torch.float64 and generation.entropy.shape == (len(GEN_PROMPTS),)
+    assert bool((generation.entropy >= 0).all()) and bool((generation.entropy <= tokens * math.log(vocab) + 1e-6).all())
+    assert torch.allclose(generation.entropy, single["reference_entropy"][name], rtol=1e-4, atol=1e-5)
 
 
 def test_generate_rejects_bad_arguments_and_model_parallel_layouts(

@@ -13,11 +13,11 @@ import torch
 from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
-from adapters.transfer_queue import TransferQueueStore
 from adapters.rows import columns_equal, read_columns_of
+from adapters.store_port import DataPlaneClient
+from adapters.transfer_queue import TransferQueueStore
 from core.codec import to_jagged
 from core.meta import KVBatchMeta
-from shell.dataplane import DataPlaneClient
 from shell.metering import DIGEST_PREFIX, DataPlaneEvent, IntegrityError, MeteredClient
 
 LENGTHS = [5, 0, 3, 7]
@@ -49,6 +49,9 @@ class FaultyStore:
 
     def put(self, keys: Sequence[str], partition_id: str, fields: TensorDict, **kw: object) -> KVBatchMeta:
         return self.inner.put(keys, partition_id, fields, **kw)  # type: ignore[arg-type]
+
+    def put_with_reserved_tags(self, keys: Sequence[str], partition_id: str, fields: TensorDict, **kw: object) -> KVBatchMeta:
+        return self.inner.put_with_reserved_tags(keys, partition_id, fields, **kw)  # type: ignore[attr-defined]
 
     def get(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> TensorDict:
         out = self.inner.get(keys, partition_id, select_fields)
@@ -230,6 +233,35 @@ def test_metered_client_rejects_reserved_tag_names_and_bad_tags() -> None:
     assert client.list_keys("p") == ()
 
 
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "plain"])
+def test_metered_client_rejects_forged_digests_on_every_adapter(store: DataPlaneClient, partition: str, verify: bool) -> None:
+    """On every adapter a put whose tags carry a digest name raises and writes nothing; real digests still verify."""
+    client = MeteredClient(store, verify_integrity=verify)
+    forged = [{DIGEST_PREFIX + "reward": 0} for _ in KEYS]
+    with pytest.raises(ValueError, match=r"tag names starting with '__digest__\.' are reserved .* at index 0"):
+        client.put(KEYS, partition, _batch(), tags=forged)
+    with pytest.raises(ValueError, match=r"tag names starting with '__digest__\.' are reserved"):
+        store.put(KEYS, partition, _batch(), tags=forged)  # the adapter itself, unwrapped
+    assert store.list_keys(partition) == ()
+    client.put(KEYS, partition, _batch(), tags=[{"uid": i} for i in range(len(KEYS))])
+    if verify:
+        got = read_columns_of(client.get(KEYS, partition, ["input_ids", "prompt"]))
+        assert columns_equal(got["input_ids"], _batch()["input_ids"])
+    assert [dict(t) for t in client.describe(KEYS, partition).tags] == [{"uid": i} for i in range(len(KEYS))]
+    client.clear(KEYS, partition)
+
+
+def test_metered_client_verifying_needs_a_reserved_tag_put() -> None:
+    """Verifying integrity over a client that cannot write the digest tags is refused up front."""
+
+    class PlainStore(FaultyStore):
+        put_with_reserved_tags = None  # type: ignore[assignment]
+
+    with pytest.raises(TypeError, match=r"'inner' must be able to write the reserved digest tags .* got PlainStore"):
+        MeteredClient(PlainStore(MemoryStore(), "x", lambda j: j), verify_integrity=True)  # type: ignore[arg-type]
+    MeteredClient(PlainStore(MemoryStore(), "x", lambda j: j))  # metering alone needs no such put
+
+
 def test_metered_client_counts_calls_keys_bytes_and_outstanding() -> None:
     """Counters follow puts, gets and clears; outstanding bytes return to zero after clearing every key."""
     events: list[DataPlaneEvent] = []
@@ -266,6 +298,18 @@ def test_metered_client_rejects_reserved_field_names() -> None:
     with pytest.raises(ValueError, match="reserved for integrity digests"):
         client.put(["a"], "p", bad)
     assert client.list_keys("p") == ()
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_metered_client_put_passes_require_stored_through(verify: bool) -> None:
+    """A metered put with require_stored refuses unknown keys (writing nothing), with or without digests."""
+    client = MeteredClient(MemoryStore(), verify_integrity=verify)
+    client.put(["a"], "p", TensorDict({"x": torch.zeros(1)}, batch_size=[1]))
+    with pytest.raises(KeyError, match=r"not stored in partition 'p': \['b'\]"):
+        client.put(["a", "b"], "p", TensorDict({"y": torch.ones(2)}, batch_size=[2]), require_stored=True)
+    assert client.list_keys("p") == ("a",)
+    client.put(["a"], "p", TensorDict({"y": torch.ones(1)}, batch_size=[1]), require_stored=True)
+    assert client.get(["a"], "p", ["y"])["y"].tolist() == [1.0]
 
 
 def test_metered_client_passes_errors_through() -> None:

@@ -1,7 +1,7 @@
-"""Policy parity on real worker groups (Ray + megatron on CPU, gloo): legacy ``Policy`` vs ``DataPlanePolicy``.
+"""Policy parity on real worker groups (Ray + megatron on CPU, gloo): one ``Policy`` over both transports.
 
 One group per layout (DP=2, TP=2 x DP=1, PP=2 x DP=1) is shared by this
-module's tests; both policies drive the same group, and ``reset`` rebuilds
+module's tests; a policy on each transport drives the same group, and ``reset`` rebuilds
 every rank's backend (seed weights, fresh optimizer) before each path trains.
 Per layout and batching mode (none, packing, dynamic batching):
 
@@ -25,16 +25,21 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from adapters.megatron import TinyGPTConfig
+from adapters.store_port import DataPlaneClient
 from adapters.transfer_queue import TransferQueueStore
+from core.fields import PREV_LOGPROBS, REFERENCE_LOGPROBS
 from core.meta import KVBatchMeta
+from core.model_config import TinyGPTConfig
 from core.sharding import DynamicBatchingSpec, PackingSpec
+from core.step_plan import legacy_meta
 from core.topology import NamedSharding
 from shell.column_io import first_write
-from shell.dataplane import DataPlaneClient
 from shell.loss import GRPOLoss
-from shell.policy import DataPlanePolicy, Policy, PolicyConfig, build_group
+from shell.policy import Policy, PolicyConfig, build_group
 from shell.policy_worker import PolicyWorker
+from shell.step_rows import StepRows
+from shell.transport import DataPlaneTransport, LegacyTransport
+from shell.worker import on_all_ranks
 from shell.worker_group import WorkerError, WorkerGroup
 
 pytestmark = pytest.mark.e2e
@@ -74,6 +79,7 @@ def recording_transfer_queue() -> RecordingClient:
 class RecordingPolicyWorker(PolicyWorker):
     """A PolicyWorker that hands its client's write log back (and empties it)."""
 
+    @on_all_ranks
     def take_write_log(self) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
         log = list(self.client.puts)  # type: ignore[attr-defined]
         self.client.puts.clear()  # type: ignore[attr-defined]
@@ -115,11 +121,8 @@ def _batch(seed: int) -> TensorDict:
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def group(request: pytest.FixtureRequest, ray_cluster: None, tq_store_session: TransferQueueStore) -> Iterator[WorkerGroup]:
     """A 2-rank policy group per layout, with recording TransferQueue clients, shared by this module."""
-    wg = build_group(_config(request.param, "none"), worker_cls=RecordingPolicyWorker, client_factory=recording_transfer_queue)
-    try:
+    with build_group(_config(request.param, "none"), worker_cls=RecordingPolicyWorker, client_factory=recording_transfer_queue) as wg:
         yield wg
-    finally:
-        wg.shutdown()
 
 
 @pytest.fixture
@@ -149,77 +152,91 @@ def _write(client: DataPlaneClient, data: TensorDict) -> KVBatchMeta:
 
 def _write_counts(group: WorkerGroup) -> Counter[tuple[str, str]]:
     counts: Counter[tuple[str, str]] = Counter()
-    for log in group.run_all("take_write_log"):
+    for log in group.call(RecordingPolicyWorker.take_write_log):
         for keys, fields in log:
             counts.update((k, f) for k in keys for f in fields)
     return counts
 
 
+def _plane(group: WorkerGroup, client: DataPlaneClient, config: PolicyConfig, meta: KVBatchMeta) -> tuple[Policy, StepRows]:
+    """A data-plane policy over ``meta``'s partition, and the step's rows (prepared, and owned by the transport)."""
+    transport = DataPlaneTransport(client, recording_transfer_queue, partition_id=meta.partition_id)
+    policy = Policy(config, transport, group=group)
+    rows = policy.prepare(StepRows(meta))
+    transport.admit(rows, {})
+    return policy, rows
+
+
+def _legacy(group: WorkerGroup, config: PolicyConfig, data: TensorDict) -> tuple[Policy, StepRows]:
+    """A legacy policy and the in-memory batch's rows (prepared)."""
+    policy = Policy(config, LegacyTransport(), group=group)
+    return policy, policy.prepare(StepRows(legacy_meta(data["lengths"].tolist()), data))
+
+
+BOTH = [PREV_LOGPROBS, REFERENCE_LOGPROBS]
+
+
 @pytest.mark.parametrize("mode", ["none", "packing", "dynamic"])
-def test_policies_give_bitwise_equal_logprobs_and_train_steps(
+def test_policy_gives_bitwise_equal_logprobs_and_train_steps_on_both_transports(
     group: WorkerGroup, client: DataPlaneClient, mode: str
 ) -> None:
-    """Both paths give bitwise-equal (reference) log-probs in caller order, and equal losses, grad norms and metrics."""
+    """Both transports give bitwise-equal (reference) log-probs in caller order, and equal losses, grad norms and metrics."""
     config = _config(_layout(group), mode)
-    legacy = Policy(config, group=group)
-    plane = DataPlanePolicy(config, client, group=group, client_factory=recording_transfer_queue)
     data = _batch(seed=len(mode))
-    group.run_all("reset")
-    meta = plane.prepare_step(_write(client, data))
+    legacy, legacy_rows = _legacy(group, config, data)
+    group.call(PolicyWorker.reset)
+    plane, rows = _plane(group, client, config, _write(client, data))
     try:
-        group.run_all("take_write_log")  # drop the set-up's log
-        meta = plane.get_logprobs(meta)
-        meta = plane.get_reference_logprobs(meta)
+        group.call(RecordingPolicyWorker.take_write_log)  # drop the set-up's log
+        rows = plane.logprobs(rows, reference=True)
         counts = _write_counts(group)
-        stored = plane.read(meta, ["prev_logprobs", "reference_policy_logprobs"])
-        expected = legacy.get_logprobs(data)
-        expected.update(legacy.get_reference_logprobs(data))
-        assert torch.equal(stored["prev_logprobs"], expected["prev_logprobs"])
-        assert torch.equal(stored["reference_policy_logprobs"], expected["reference_policy_logprobs"])
-        assert stored["prev_logprobs"].abs().sum() > 0
+        stored = plane.transport.read(rows, BOTH)
+        legacy_rows = legacy.logprobs(legacy_rows, reference=True)
+        expected = legacy.transport.read(legacy_rows, BOTH)
+        for name in BOTH:
+            assert torch.equal(stored[name], expected[name])
+        assert stored[PREV_LOGPROBS].abs().sum() > 0
         assert set(counts.values()) == {1}, "every (key, field) is written exactly once, by the replica leader"
-        assert set(counts) == {(k, f) for k in meta.keys for f in ("prev_logprobs", "reference_policy_logprobs")}
+        assert set(counts) == {(k, f) for k in rows.meta.keys for f in BOTH}
 
-        group.run_all("reset")
-        legacy_result = legacy.train(data.update(expected), LOSS)
-        group.run_all("reset")
-        plane_result = plane.train(meta, LOSS)
+        group.call(PolicyWorker.reset)
+        legacy_result = legacy.train(legacy_rows, LOSS)
+        group.call(PolicyWorker.reset)
+        plane_result = plane.train(rows, LOSS)
     finally:
-        plane.finish_step(meta)
+        plane.transport.finish(rows)
     assert plane_result.loss == legacy_result.loss and len(plane_result.loss) == N_ROWS // GBS
     assert plane_result.grad_norm == legacy_result.grad_norm
     assert plane_result.micro_batch_metrics == legacy_result.micro_batch_metrics
     assert plane_result.micro_batches == legacy_result.micro_batches
     assert len(set(plane_result.micro_batches)) == 1, "every DP rank runs the same micro-batch count per step"
     assert len(set(plane_result.forward_seq_lengths)) == 1, "every DP rank forwards at the same length"
-    assert not set(meta.keys) & set(client.list_keys(meta.partition_id))
+    assert not set(rows.meta.keys) & set(client.list_keys(rows.meta.partition_id))
 
 
-def test_get_logprobs_and_reference_equals_the_two_calls_on_both_paths(
+def test_policy_logprobs_with_reference_keeps_the_policy_logprobs_on_both_transports(
     group: WorkerGroup, client: DataPlaneClient
 ) -> None:
-    """The combined call gives bitwise the separate calls' log-probs on both paths, with one write per (key, field)."""
+    """Asking for the reference too changes no ``prev_logprobs`` bit, on either transport; one write per (key, field)."""
     config = _config(_layout(group), "packing")
-    legacy = Policy(config, group=group)
-    plane = DataPlanePolicy(config, client, group=group, client_factory=recording_transfer_queue)
     data = _batch(seed=11)
-    group.run_all("reset")
-    expected = legacy.get_logprobs(data)
-    expected.update(legacy.get_reference_logprobs(data))
-    both = legacy.get_logprobs_and_reference(data)
-    meta = plane.prepare_step(_write(client, data))
+    group.call(PolicyWorker.reset)
+    legacy, legacy_rows = _legacy(group, config, data)
+    alone = legacy.transport.read(legacy.logprobs(legacy_rows), [PREV_LOGPROBS])
+    both = legacy.transport.read(legacy.logprobs(legacy_rows, reference=True), BOTH)
+    plane, rows = _plane(group, client, config, _write(client, data))
     try:
-        group.run_all("take_write_log")
-        meta = plane.get_logprobs_and_reference(meta)
+        group.call(RecordingPolicyWorker.take_write_log)
+        rows = plane.logprobs(rows, reference=True)
         counts = _write_counts(group)
-        stored = plane.read(meta, ["prev_logprobs", "reference_policy_logprobs"])
+        stored = plane.transport.read(rows, BOTH)
     finally:
-        plane.finish_step(meta)
-    for name in ("prev_logprobs", "reference_policy_logprobs"):
-        assert torch.equal(both[name], expected[name])
-        assert torch.equal(stored[name], expected[name])
+        plane.transport.finish(rows)
+    assert torch.equal(both[PREV_LOGPROBS], alone[PREV_LOGPROBS])
+    for name in BOTH:
+        assert torch.equal(stored[name], both[name])
     assert set(counts.values()) == {1}
-    assert set(counts) == {(k, f) for k in meta.keys for f in ("prev_logprobs", "reference_policy_logprobs")}
+    assert set(counts) == {(k, f) for k in rows.meta.keys for f in BOTH}
 
 
 class MissingFieldLoss(GRPOLoss):
@@ -230,24 +247,26 @@ class MissingFieldLoss(GRPOLoss):
         return (*super().input_fields, "never_written")
 
 
-def test_data_plane_policy_clears_step_keys_when_a_worker_raises(group: WorkerGroup, client: DataPlaneClient) -> None:
+def test_policy_clears_step_keys_when_a_worker_raises(group: WorkerGroup, client: DataPlaneClient) -> None:
     """A worker failing mid-step raises WorkerError at the caller and leaves none of the step's keys stored."""
-    plane = DataPlanePolicy(_config(_layout(group), "none"), client, group=group, client_factory=recording_transfer_queue)
-    meta = plane.prepare_step(_write(client, _batch(seed=11)))
-    meta = plane.get_logprobs(meta)
+    plane, rows = _plane(group, client, _config(_layout(group), "none"), _write(client, _batch(seed=11)))
+    rows = plane.logprobs(rows)
     with pytest.raises(WorkerError, match=r"never_written"):
-        plane.train(meta, MissingFieldLoss())
-    assert not set(meta.keys) & set(client.list_keys(meta.partition_id))
-    group.run_all("take_write_log")
+        plane.train(rows, MissingFieldLoss())
+    assert not set(rows.meta.keys) & set(client.list_keys(rows.meta.partition_id))
+    group.call(RecordingPolicyWorker.take_write_log)
 
 
-def test_data_plane_policy_rejects_an_unprepared_step(group: WorkerGroup, client: DataPlaneClient) -> None:
-    """A meta without the step's pad length is refused before any work (and its keys are kept)."""
-    plane = DataPlanePolicy(_config(_layout(group), "none"), client, group=group, client_factory=recording_transfer_queue)
+def test_policy_rejects_an_unprepared_step(group: WorkerGroup, client: DataPlaneClient) -> None:
+    """Rows without the step's pad length are refused before any work (and their keys are kept)."""
     meta = _write(client, _batch(seed=12))
+    transport = DataPlaneTransport(client, recording_transfer_queue, partition_id=meta.partition_id)
+    plane = Policy(_config(_layout(group), "none"), transport, group=group)
+    transport.admit(StepRows(meta), {})
     try:
-        with pytest.raises(ValueError, match=r"call meta = policy.prepare_step\(meta\) first"):
-            plane.get_logprobs(meta)
+        with pytest.raises(ValueError, match=r"call rows = policy.prepare\(rows\) first"):
+            plane.logprobs(StepRows(meta))
         assert set(meta.keys) <= set(client.list_keys(meta.partition_id))
     finally:
-        plane.finish_step(meta)
+        transport.finish(StepRows(meta))
+    assert not set(meta.keys) & set(client.list_keys(meta.partition_id))

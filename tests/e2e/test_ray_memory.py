@@ -12,28 +12,22 @@ process without Ray runs in one cheap subprocess that never starts Ray.
 from __future__ import annotations
 
 import functools
-import json
-import os
 import pickle
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
-import ray
 import torch
 from ray.exceptions import RayTaskError
-from tensordict import NonTensorData, NonTensorStack, TensorDict
+from tensordict import NonTensorData, TensorDict
 
 from adapters.memory import MemoryStore
-from adapters.ray_memory import RayMemoryStore, is_running
-from adapters.rows import columns_equal
-from core.codec import jagged_lengths, to_jagged
-from shell.dataplane import DataPlaneClient
-from tests.e2e.conftest import ROOT
+from adapters.ray_actors import named_actor_exists
+from adapters.ray_memory import NAMESPACE, RayMemoryStore, is_running
+from adapters.store_port import DataPlaneClient
+from core.codec import to_jagged
+from tests.e2e.store_peer import check_round_trip_through_peer, run_without_ray
 
 pytestmark = pytest.mark.e2e
 
@@ -52,59 +46,12 @@ print(json.dumps(report))
 """
 
 
-def _batch(n: int, lengths: list[int]) -> TensorDict:
-    """Fields of every kind a trainer sends: jagged ids and bf16 logprobs, (N,), (N,1), (N,S), objects, texts."""
-    g = torch.Generator().manual_seed(n)
-    td = TensorDict(
-        {
-            "input_ids": to_jagged(torch.randint(0, 1000, (n, max(lengths)), generator=g), lengths),
-            "logprobs": to_jagged(torch.randn(n, max(lengths), generator=g).to(torch.bfloat16), lengths),
-            "reward": torch.randn(n, generator=g, dtype=torch.float64),
-            "mask": torch.rand(n, 1, generator=g) > 0.5,
-            "hidden": torch.randn(n, 4, generator=g).to(torch.float16),
-        },
-        batch_size=[n],
-    )
-    td["meta"] = np.array([{"uid": i, "turns": (i, i + 1), "seen": {i}} for i in range(n)], dtype=object)
-    td["texts"] = NonTensorStack(*(f"prompt {i}" for i in range(n)))
-    return td
-
-
 def _wait_until_gone(name: str, timeout_s: float = 10.0) -> bool:
     """Whether the actor ``name`` is unregistered within ``timeout_s`` (``ray.kill`` completes asynchronously)."""
     deadline = time.monotonic() + timeout_s
     while is_running(name) and time.monotonic() < deadline:
         time.sleep(0.1)
     return not is_running(name)
-
-
-@ray.remote
-class _Peer:
-    """A Ray actor (another process) that builds its client from a pickled factory, as a worker does."""
-
-    def __init__(self, make_client: Callable[[], DataPlaneClient]) -> None:
-        self._store = make_client()
-
-    def read(self, keys: list[str], partition: str, names: list[str]) -> dict[str, Any]:
-        got = self._store.get(keys, partition, names)
-        return {name: got.get(name) for name in names}
-
-    def write_scaled_logprobs(self, keys: list[str], partition: str) -> tuple[str, ...]:
-        logprobs = self._store.get(keys, partition, ["logprobs"])["logprobs"]
-        scaled = torch.nested.nested_tensor([row * 2 for row in logprobs.unbind()], layout=torch.jagged)
-        fields = TensorDict({"scaled": scaled}, batch_size=[len(keys)])
-        return self._store.put(keys, partition, fields, tags=[{"by": "actor"}] * len(keys)).fields
-
-    def missing_key_error(self, partition: str) -> tuple[str, str]:
-        try:
-            self._store.get(["never-put"], partition, ["x"])
-        except Exception as e:  # the test checks which exception arrived
-            return type(e).__name__, str(e)
-        return "", ""
-
-    def close(self) -> None:
-        self._store.close()
-        self._store.close()
 
 
 # ---------------------------------------------------------------- a second process
@@ -116,37 +63,11 @@ def test_attach_from_an_actor_reads_the_driver_writes_and_writes_back(
     """An actor attached through a pickled factory reads bit for bit what the driver put (objects included),
     sees the store's own errors, and the driver reads the field it writes back; its close leaves the actor running."""
     store = RayMemoryStore.attach(ray_memory_session.name)
-    keys = ["k0", "k1", "k2", "k3"]
-    fields = _batch(4, [3, 0, 5, 2])
-    store.put(keys, partition, fields, tags=[{"uid": i} for i in range(4)])
-    peer = _Peer.remote(functools.partial(RayMemoryStore.attach, store.name))  # type: ignore[attr-defined]
     try:
-        order = [2, 0, 3]
-        got = ray.get(peer.read.remote([keys[i] for i in order], partition, list(fields.keys())))
-        expected = store.get([keys[i] for i in order], partition, list(fields.keys()))
-        for name in fields.keys():
-            assert columns_equal(got[name], expected.get(name)), name
-        assert got["meta"].data.tolist() == [fields["meta"][i] for i in order]
-        assert isinstance(got["texts"], NonTensorStack)
-        assert got["texts"].tolist() == ["prompt 2", "prompt 0", "prompt 3"]
-        assert ray.get(peer.missing_key_error.remote(partition)) == (
-            "KeyError",
-            str(KeyError(f"1 keys are not stored in partition {partition!r}: ['never-put']")),
+        check_round_trip_through_peer(
+            store, functools.partial(RayMemoryStore.attach, store.name), partition, lambda: is_running(store.name)
         )
-        assert ray.get(peer.write_scaled_logprobs.remote(keys, partition)) == ("scaled",)
-        scaled = store.get(keys, partition, ["scaled"])["scaled"]
-        assert jagged_lengths(scaled) == (3, 0, 5, 2)
-        for row, original in zip(scaled.unbind(), fields["logprobs"].unbind()):
-            assert torch.equal(row, original * 2) and row.dtype == torch.bfloat16
-        meta = store.describe(["k1"], partition)
-        assert meta.fields == (*fields.keys(), "scaled")
-        assert meta.tags == ({"uid": 1, "by": "actor"},)
-        ray.get(peer.close.remote())
-        assert is_running(store.name), "an attached client's close must not kill the store actor"
-        assert store.list_keys(partition) == tuple(keys)
     finally:
-        ray.kill(peer)
-        store.clear(keys, partition)
         store.close()
 
 
@@ -192,6 +113,13 @@ def test_close_of_the_owner_kills_the_actor_and_attached_close_does_not(ray_clus
         second.close()
 
 
+def test_named_actor_exists_finds_an_actor_only_by_its_name_and_namespace(ray_memory_session: RayMemoryStore) -> None:
+    """The session's store actor is found under its name in NAMESPACE, and not in another namespace or by another name."""
+    assert named_actor_exists(ray_memory_session.name, NAMESPACE)
+    assert not named_actor_exists(ray_memory_session.name, f"{NAMESPACE}-other")
+    assert not named_actor_exists(f"{ray_memory_session.name}-other", NAMESPACE)
+
+
 def test_start_with_a_taken_name_raises_value_error(ray_memory_session: RayMemoryStore) -> None:
     """start(name) of a running store raises ValueError pointing to attach, and leaves that store serving."""
     name = ray_memory_session.name
@@ -213,12 +141,7 @@ def test_attach_to_a_missing_name_raises_value_error_naming_it(ray_cluster: None
 
 def test_start_and_attach_without_ray_raise_runtime_error() -> None:
     """In a process without Ray, start() and attach() raise RuntimeError showing how to connect, and start nothing."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    done = subprocess.run(
-        [sys.executable, "-c", _NO_RAY_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_without_ray(_NO_RAY_SCRIPT)
     assert report["running"] is False
     for call in ("start", "attach"):
         assert "Ray is not initialised in this process" in report[call], call
@@ -236,10 +159,7 @@ def _failing_calls(partition: str) -> dict[str, Callable[[DataPlaneClient], Any]
         "get-missing-field": lambda s: s.get(["a", "b"], partition, ["y"]),
         "get-mixed-layouts": lambda s: s.get(["a", "b"], partition, ["x"]),
         "clear-unknown-key": lambda s: s.clear(["zz"], partition),
-        "clear-duplicate-keys": lambda s: s.clear(["a", "a"], partition),
-        "list-keys-non-str": lambda s: s.list_keys(3),
         "describe-unknown-key": lambda s: s.describe(["zz"], partition),
-        "describe-no-keys": lambda s: s.describe([], partition),
     }
 
 
@@ -286,18 +206,32 @@ def test_errors_raised_in_the_actor_keep_type_and_message(ray_memory_session: Ra
         (lambda s, p: s.put(["n"], p, {"x": torch.zeros(1)}), TypeError, r"'fields' must be a TensorDict"),
         (lambda s, p: s.get(["a"], p, "x"), TypeError, r"not a single string"),
         (lambda s, p: s.get([], p, ["x"]), ValueError, r"'keys' must name at least one row"),
+        (lambda s, p: s.get_with_tags(["a"], p, ["x"], "r"), TypeError, r"'tag_names' .* not a single string"),
+        (lambda s, p: s.clear(["a", "a"], p), ValueError, r"'keys' must be unique: 'a' repeats"),
+        (lambda s, p: s.list_keys(3), TypeError, r"'partition_id' must be a str: got int"),
+        (lambda s, p: s.describe([], p), ValueError, r"'keys' must name at least one row"),
     ],
-    ids=["put-duplicate-keys", "put-unsupported-column", "put-not-a-tensordict", "get-single-string", "get-no-keys"],
+    ids=[
+        "put-duplicate-keys",
+        "put-unsupported-column",
+        "put-not-a-tensordict",
+        "get-single-string",
+        "get-no-keys",
+        "get-with-tags-single-string",
+        "clear-duplicate-keys",
+        "list-keys-non-str",
+        "describe-no-keys",
+    ],
 )
-def test_put_and_get_reject_bad_arguments_before_any_remote_call(
+def test_every_call_rejects_bad_arguments_before_any_remote_call(
     ray_memory_session: RayMemoryStore,
     partition: str,
     call: Callable[[DataPlaneClient, str], Any],
     error: type[Exception],
     match: str,
 ) -> None:
-    """Bad put and get arguments (columns included) raise in the caller's process, with no Ray error behind them,
-    and the put writes nothing."""
+    """Bad arguments of any call (put columns included) raise in the caller's process, with no Ray error behind
+    them, and write or remove nothing."""
     ray_memory_session.put(["a"], partition, TensorDict({"x": torch.ones(1)}, batch_size=[1]))
     with pytest.raises(error, match=match) as excinfo:
         call(ray_memory_session, partition)

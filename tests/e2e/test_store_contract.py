@@ -1,12 +1,10 @@
-"""The data-plane contract (``shell/dataplane.py``), run against every adapter through the ``store`` fixture.
+"""The data-plane contract (``adapters/store_port.py``), run against every adapter through the ``store`` fixture.
 
-Every test here holds for each entry of ``STORE_FACTORIES``; the async tests at
-the end cover ``AsyncMemoryStore``.
+Every test here holds for each entry of ``STORE_FACTORIES``.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import numpy as np
@@ -14,25 +12,10 @@ import pytest
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from adapters.memory import AsyncMemoryStore, MemoryStore
 from adapters.rows import columns_equal
+from adapters.store_port import DataPlaneClient, ReservedTagPutClient, TaggedGetClient
 from core.codec import jagged_lengths, to_jagged
-from shell.dataplane import AsyncDataPlaneClient, DataPlaneClient, TaggedGetClient
-
-DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool,
-)
-
-
-def _tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point:
-        return (torch.randn(shape, generator=gen, dtype=torch.float64) * 100).to(dtype)
-    info = torch.iinfo(dtype)
-    return torch.randint(info.min, info.max, shape, generator=gen, dtype=dtype)
+from tests.property.strategies import CODEC_DTYPES, random_tensor
 
 
 def _ids(n: int, offset: int = 0) -> TensorDict:
@@ -43,14 +26,14 @@ def _ids(n: int, offset: int = 0) -> TensorDict:
 def _every_kind(n: int, lengths: list[int]) -> TensorDict:
     """A batch with a field for each dtype and shape (N,), (N,1), (N,S), (N,S,D), jagged, plus object columns."""
     td = TensorDict(batch_size=[n])
-    for i, dtype in enumerate(DTYPES):
+    for i, dtype in enumerate(CODEC_DTYPES):
         name = str(dtype).removeprefix("torch.")
-        td[f"{name}_n"] = _tensor((n,), dtype, i)
-        td[f"{name}_n1"] = _tensor((n, 1), dtype, i + 100)
-        td[f"{name}_ns"] = _tensor((n, 5), dtype, i + 200)
-        td[f"{name}_nsd"] = _tensor((n, 5, 3), dtype, i + 300)
-        td[f"{name}_jagged"] = to_jagged(_tensor((n, max(lengths)), dtype, i + 400), lengths)
-        td[f"{name}_jagged_d"] = to_jagged(_tensor((n, max(lengths), 2), dtype, i + 500), lengths)
+        td[f"{name}_n"] = random_tensor((n,), dtype, i)
+        td[f"{name}_n1"] = random_tensor((n, 1), dtype, i + 100)
+        td[f"{name}_ns"] = random_tensor((n, 5), dtype, i + 200)
+        td[f"{name}_nsd"] = random_tensor((n, 5, 3), dtype, i + 300)
+        td[f"{name}_jagged"] = to_jagged(random_tensor((n, max(lengths)), dtype, i + 400), lengths)
+        td[f"{name}_jagged_d"] = to_jagged(random_tensor((n, max(lengths), 2), dtype, i + 500), lengths)
     td["objects"] = np.array([{"uid": i, "turns": [i] * i} for i in range(n)], dtype=object)
     td["texts"] = NonTensorStack(*(f"prompt {i}" for i in range(n)))
     return td
@@ -125,6 +108,20 @@ def test_put_adds_fields_to_existing_keys(store: DataPlaneClient, partition: str
     got = store.get(["a", "b"], partition, ["input_ids", "logprobs"])
     assert jagged_lengths(got["input_ids"]) == (4, 1)
     assert jagged_lengths(got["logprobs"]) == (4, 1)
+
+
+def test_put_require_stored_writes_only_under_stored_keys(store: DataPlaneClient, partition: str) -> None:
+    """With require_stored a put to stored keys adds its field; one unknown key makes it raise and write nothing."""
+    store.put(["a", "b"], partition, TensorDict({"x": torch.tensor([1, 2])}, batch_size=[2]))
+    store.put(["b", "a"], partition, TensorDict({"y": torch.tensor([20, 10])}, batch_size=[2]), require_stored=True)
+    assert store.get(["a", "b"], partition, ["x", "y"])["y"].tolist() == [10, 20]
+    with pytest.raises(KeyError, match=rf"1 keys are not stored in partition '{partition}': \['ghost'\]"):
+        store.put(["a", "ghost"], partition, TensorDict({"z": torch.tensor([1, 2])}, batch_size=[2]), require_stored=True)
+    assert store.list_keys(partition) == ("a", "b")
+    assert store.describe(["a", "b"], partition).fields == ("x", "y")
+    with pytest.raises(KeyError, match="not stored"):
+        store.put(["n"], f"{partition}-empty", TensorDict({"z": torch.tensor([1])}, batch_size=[1]), require_stored=True)
+    assert store.list_keys(f"{partition}-empty") == ()
 
 
 def test_get_stacks_jagged_rows_from_different_puts(store: DataPlaneClient, partition: str) -> None:
@@ -331,6 +328,13 @@ def test_get_rejects_bad_arguments(store: DataPlaneClient, partition: str) -> No
         (["a", "new"], _ids(3), {}, ValueError, r"'fields' batch size must equal the key count 2: got 3"),
         (["a", "new"], _ids(2), {"tags": [{}]}, ValueError, r"'tags' must have 2 entries \(one per key\): got 1"),
         (["a", "new"], _ids(2), {"sequence_lengths": [1, 2, 3]}, ValueError, r"'sequence_lengths' must have 2 entries"),
+        (
+            ["a", "new"],
+            _ids(2),
+            {"tags": [{}, {"uid": 1, "__digest__.x": 5}]},
+            ValueError,
+            r"tag names starting with '__digest__\.' are reserved for integrity digests: got \['__digest__\.x'\] at index 1",
+        ),
         (["a", "new"], {"x": torch.zeros(2)}, {}, TypeError, r"'fields' must be a TensorDict"),
         (
             ["a", "new"],
@@ -340,7 +344,15 @@ def test_get_rejects_bad_arguments(store: DataPlaneClient, partition: str) -> No
             r"field 'bad' must hold one value per row",
         ),
     ],
-    ids=["duplicate-keys", "batch-mismatch", "tags-not-1to1", "lengths-not-1to1", "not-a-tensordict", "unsupported-column"],
+    ids=[
+        "duplicate-keys",
+        "batch-mismatch",
+        "tags-not-1to1",
+        "lengths-not-1to1",
+        "reserved-tag",
+        "not-a-tensordict",
+        "unsupported-column",
+    ],
 )
 def test_put_rejected_writes_nothing(
     store: DataPlaneClient,
@@ -359,6 +371,26 @@ def test_put_rejected_writes_nothing(
     got = store.get(["a"], partition, ["x"])
     assert list(got.keys()) == ["x"] and got["x"].tolist() == [7]
     assert store.describe(["a"], partition).tags == ({"r": 1},)  # type: ignore[attr-defined]
+
+
+def test_put_with_reserved_tags_writes_them_and_rejects_others(store: DataPlaneClient, partition: str) -> None:
+    """put_with_reserved_tags merges reserved tags into the user tags; a non-reserved or unmatched one writes nothing."""
+    assert isinstance(store, ReservedTagPutClient)
+    reserved = [{"__digest__.x": 11}, {"__digest__.x": -2}]
+    receipt = store.put_with_reserved_tags(["a", "b"], partition, _ids(2), reserved_tags=reserved, tags=[{"r": 1}, {}])
+    assert receipt.tags == ({"r": 1, "__digest__.x": 11}, {"__digest__.x": -2})
+    assert store.describe(["b", "a"], partition).tags == ({"__digest__.x": -2}, {"r": 1, "__digest__.x": 11})  # type: ignore[attr-defined]
+    _, tags = store.get_with_tags(["a", "b"], partition, ["x"], ["__digest__.x"])  # type: ignore[attr-defined]
+    assert tags == ({"__digest__.x": 11}, {"__digest__.x": -2})
+    with pytest.raises(ValueError, match=r"'reserved_tags' names must start with '__digest__\.': got \['r'\] at index 0"):
+        store.put_with_reserved_tags(["a", "new"], partition, _ids(2, 5), reserved_tags=[{"r": 2}, {}])
+    with pytest.raises(ValueError, match=r"'reserved_tags' must have 2 entries \(one per key\): got 1"):
+        store.put_with_reserved_tags(["a", "new"], partition, _ids(2, 5), reserved_tags=[{}])
+    with pytest.raises(ValueError, match=r"tag names starting with '__digest__\.' are reserved .* at index 0"):
+        store.put_with_reserved_tags(["a", "new"], partition, _ids(2, 5), reserved_tags=[{}, {}], tags=[{"__digest__.x": 0}, {}])
+    assert store.list_keys(partition) == ("a", "b")
+    assert store.get(["a"], partition, ["x"])["x"].tolist() == [0]
+    assert store.describe(["a"], partition).tags == ({"r": 1, "__digest__.x": 11},)  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------- aliasing and lifecycle
@@ -410,51 +442,3 @@ def test_close_is_idempotent_and_later_calls_raise(store: DataPlaneClient, parti
         store.clear(["a"], partition)
     with pytest.raises(RuntimeError, match=r"is closed"):
         store.list_keys(partition)
-
-
-# ---------------------------------------------------------------- async form (memory store)
-
-
-def test_async_memory_store_follows_the_contract(partition: str) -> None:
-    """AsyncMemoryStore has the sync semantics: round trip, order, tags, exact clear, errors, close."""
-    store = MemoryStore().as_async()
-    assert isinstance(store, AsyncDataPlaneClient)
-    fields = _every_kind(3, [0, 2, 1])
-
-    async def scenario() -> None:
-        receipt = await store.put(["k1", "k11", "k2"], partition, fields, tags=[{"r": 1}, {}, {}])
-        assert receipt.fields == tuple(fields.keys())
-        got = await store.get(["k2", "k1"], partition, list(fields.keys()))
-        _assert_columns(got, fields, [2, 0])
-        assert (await store.describe(["k1"], partition)).tags == ({"r": 1},)
-        await store.clear(["k1"], partition)
-        assert await store.list_keys(partition) == ("k11", "k2")
-        with pytest.raises(KeyError, match=r"\['k1'\]"):
-            await store.get(["k1"], partition, ["texts"])
-        with pytest.raises(ValueError, match=r"'keys' must be unique"):
-            await store.put(["z", "z"], partition, _ids(2))
-        assert await store.list_keys(partition) == ("k11", "k2")
-        await store.close()
-        await store.close()
-        with pytest.raises(RuntimeError, match=r"is closed"):
-            await store.list_keys(partition)
-
-    asyncio.run(scenario())
-
-
-def test_async_memory_store_shares_storage_with_its_sync_store(partition: str) -> None:
-    """as_async() views the same storage: a sync put is visible to the async get, and close closes both."""
-    sync = MemoryStore()
-    store = sync.as_async()
-    assert store.sync is sync
-    sync.put(["a"], partition, _ids(1, offset=5))
-    assert asyncio.run(store.get(["a"], partition, ["x"]))["x"].tolist() == [5]
-    asyncio.run(store.close())
-    with pytest.raises(RuntimeError, match=r"MemoryStore is closed"):
-        sync.list_keys(partition)
-
-
-def test_async_memory_store_rejects_a_non_store() -> None:
-    """AsyncMemoryStore wraps only a MemoryStore."""
-    with pytest.raises(TypeError, match=r"'store' must be a MemoryStore: got dict"):
-        AsyncMemoryStore({})  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from adapters.rows import columns_equal
-from shell.dataplane import DataPlaneClient
+from adapters.store_port import DataPlaneClient
 from tests.property.strategies import STORE_FIELDS, store_batches, store_keys
 
 Model = dict[str, dict[str, tuple[Any, int]]]

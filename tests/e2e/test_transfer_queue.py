@@ -1,4 +1,4 @@
-"""``TransferQueueStore`` beyond the shared contract: lifecycle, a second process, TQ quirks, wire format, async.
+"""``TransferQueueStore`` beyond the shared contract: lifecycle, a second process, TQ quirks, wire format.
 
 The contract itself (``test_store_contract.py``, ``test_store_roundtrip.py``)
 runs against this adapter through the ``store`` fixture. Here: start/attach
@@ -12,11 +12,7 @@ Ray.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
-import subprocess
-import sys
+import logging
 from typing import Any
 
 import numpy as np
@@ -27,29 +23,22 @@ import transfer_queue as tq
 from hypothesis import given
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from adapters.memory import MemoryStore
 from adapters.rows import ColumnSpec, columns_equal, stack_column
-from adapters.transfer_queue import (
-    AsyncTransferQueueStore,
-    TransferQueueStore,
+from adapters.tq_mooncake import from_zero_byte_placeholder, pad_jagged_rows, unpad_jagged_rows, zero_byte_placeholder
+from adapters.tq_system import known_backends, quiet_logs, resolve_config
+from adapters.tq_wire import (
     decode_column,
     field_set_groups,
-    from_zero_byte_placeholder,
-    is_running,
-    known_backends,
     merge_spec_tags,
-    pad_jagged_rows,
     parse_spec_tag,
     parse_wire_name,
-    resolve_config,
     spec_tag,
-    unpad_jagged_rows,
     wire_name,
-    zero_byte_placeholder,
 )
+from adapters.transfer_queue import TransferQueueStore, is_running
 from core.codec import jagged_lengths, to_jagged
-from shell.dataplane import AsyncDataPlaneClient, DataPlaneClient
-from tests.e2e.conftest import ROOT, TQ_BACKEND
+from tests.e2e.conftest import TQ_BACKEND
+from tests.e2e.store_peer import check_round_trip_through_peer, run_without_ray, trainer_batch
 from tests.property.strategies import digest_columns
 
 pytestmark = pytest.mark.e2e
@@ -72,59 +61,13 @@ print(json.dumps(report))
 """
 
 
-def _batch(n: int, lengths: list[int]) -> TensorDict:
-    """Fields of every kind a trainer sends: jagged ids and bf16 logprobs, (N,), (N,1), (N,S), objects, texts."""
-    g = torch.Generator().manual_seed(n)
-    td = TensorDict(
-        {
-            "input_ids": to_jagged(torch.randint(0, 1000, (n, max(lengths)), generator=g), lengths),
-            "logprobs": to_jagged(torch.randn(n, max(lengths), generator=g).to(torch.bfloat16), lengths),
-            "reward": torch.randn(n, generator=g, dtype=torch.float64),
-            "mask": torch.rand(n, 1, generator=g) > 0.5,
-            "hidden": torch.randn(n, 4, generator=g).to(torch.float16),
-        },
-        batch_size=[n],
-    )
-    td["meta"] = np.array([{"uid": i, "turns": (i, i + 1)} for i in range(n)], dtype=object)
-    td["texts"] = NonTensorStack(*(f"prompt {i}" for i in range(n)))
-    return td
-
-
-@ray.remote
-class _Peer:
-    """A Ray actor (another process) that attaches to the session's TransferQueue."""
-
-    def __init__(self) -> None:
-        self._store = TransferQueueStore.attach()
-
-    def read(self, keys: list[str], partition: str, names: list[str]) -> dict[str, Any]:
-        got = self._store.get(keys, partition, names)
-        return {name: got.get(name) for name in names}
-
-    def write_scaled_logprobs(self, keys: list[str], partition: str) -> tuple[str, ...]:
-        logprobs = self._store.get(keys, partition, ["logprobs"])["logprobs"]
-        scaled = torch.nested.nested_tensor([row * 2 for row in logprobs.unbind()], layout=torch.jagged)
-        fields = TensorDict({"scaled": scaled}, batch_size=[len(keys)])
-        return self._store.put(keys, partition, fields, tags=[{"by": "actor"}] * len(keys)).fields
-
-    def close(self) -> bool:
-        self._store.close()
-        self._store.close()
-        return is_running()
-
-
 # ---------------------------------------------------------------- configuration and lifecycle
 
 
 @pytest.fixture(scope="module")
 def no_ray_report() -> dict[str, Any]:
     """What attach() and start(bad config) do in a fresh interpreter without Ray (run once; never starts Ray)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    done = subprocess.run(
-        [sys.executable, "-c", _NO_RAY_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_without_ray(_NO_RAY_SCRIPT)
 
 
 def test_attach_without_ray_raises_runtime_error(no_ray_report: dict[str, Any]) -> None:
@@ -158,6 +101,20 @@ def test_resolve_config_rejects_unknown_backend_and_non_mappings() -> None:
         resolve_config("SimpleStorage")  # type: ignore[arg-type]
 
 
+def test_quiet_logs_keeps_only_errors_of_every_transfer_queue_logger(tq_store_session: TransferQueueStore) -> None:
+    """quiet_logs raises every TransferQueue logger (their levels are set explicitly) to ERROR, and no other logger."""
+    names = [name for name in logging.root.manager.loggerDict if name.startswith("transfer_queue")]
+    other = logging.getLogger("tests.e2e.quiet_logs")
+    saved = {name: logging.getLogger(name).level for name in names}
+    try:
+        quiet_logs()
+        assert names and all(logging.getLogger(name).level == logging.ERROR for name in names)
+        assert other.level == logging.NOTSET
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
 def test_start_while_running_raises_runtime_error(tq_store_session: TransferQueueStore) -> None:
     """A second start() on a cluster that runs TransferQueue raises RuntimeError pointing to attach()."""
     with pytest.raises(RuntimeError, match=r"a TransferQueue already runs on this Ray cluster.*attach\(\)"):
@@ -189,32 +146,12 @@ def test_close_of_attached_store_leaves_transfer_queue_running(
 def test_actor_attaches_reads_the_driver_writes_and_writes_back(
     tq_store_session: TransferQueueStore, partition: str
 ) -> None:
-    """A Ray actor attaches, reads byte-equal what the driver put, and the driver reads the field it writes back."""
+    """A Ray actor attaches, reads byte-equal what the driver put (objects included), sees the store's own errors,
+    and the driver reads the field it writes back; the actor's close leaves TQ running."""
     store = TransferQueueStore.attach()
-    keys = ["k0", "k1", "k2", "k3"]
-    fields = _batch(4, [3, 0, 5, 2])
-    store.put(keys, partition, fields, tags=[{"uid": i} for i in range(4)])
-    peer = _Peer.remote()  # type: ignore[attr-defined]
     try:
-        order = [2, 0, 3]
-        got = ray.get(peer.read.remote([keys[i] for i in order], partition, list(fields.keys())))
-        expected = store.get([keys[i] for i in order], partition, list(fields.keys()))
-        for name in fields.keys():
-            assert columns_equal(got[name], expected.get(name)), name
-        assert got["meta"].data.tolist() == [fields["meta"][i] for i in order]
-        assert ray.get(peer.write_scaled_logprobs.remote(keys, partition)) == ("scaled",)
-        scaled = store.get(keys, partition, ["scaled"])["scaled"]
-        assert jagged_lengths(scaled) == (3, 0, 5, 2)
-        for row, original in zip(scaled.unbind(), fields["logprobs"].unbind()):
-            assert torch.equal(row, original * 2) and row.dtype == torch.bfloat16
-        meta = store.describe(["k1"], partition)
-        assert meta.fields == (*fields.keys(), "scaled")
-        assert meta.tags == ({"uid": 1, "by": "actor"},)
-        assert ray.get(peer.close.remote()) is True, "an actor's attached store must not shut TQ down"
-        assert is_running()
+        check_round_trip_through_peer(store, TransferQueueStore.attach, partition, is_running)
     finally:
-        ray.kill(peer)
-        store.clear(keys, partition)
         store.close()
 
 
@@ -485,7 +422,7 @@ def test_put_stores_native_columns_under_wire_fields_with_flat_tags(
 ) -> None:
     """TQ holds each field natively under its wire name; the reserved tags are a str and an int per key."""
     store = TransferQueueStore.attach()
-    fields = _batch(3, [2, 0, 1])
+    fields = trainer_batch(3, [2, 0, 1])
     store.put(["a", "b", "c"], partition, fields, sequence_lengths=[2, 0, 1])
     tags = tq.kv_list(partition)[partition]["b"]
     assert isinstance(tags["__kvspec__"], str) and tags["__kvlen__"] == 0
@@ -517,57 +454,9 @@ def test_rewrite_with_another_spec_leaves_the_old_wire_field_until_clear(
     store.close()
 
 
-# ---------------------------------------------------------------- async form
-
-
-def test_async_transfer_queue_store_follows_the_contract(tq_store_session: TransferQueueStore, partition: str) -> None:
-    """AsyncTransferQueueStore keeps the sync semantics (rows as MemoryStore's): order, tags, clear, errors, close."""
-    store = TransferQueueStore.attach().as_async()
-    assert isinstance(store, AsyncDataPlaneClient) and isinstance(store.sync, DataPlaneClient)
-    fields = _batch(3, [0, 2, 1])
-    reference = MemoryStore()
-    reference.put(["k1", "k11", "k2"], partition, fields)
-
-    async def scenario() -> None:
-        tags = [{"r": 1}, {}, {}]
-        receipt = await store.put(["k1", "k11", "k2"], partition, fields, tags=tags, sequence_lengths=[0, 2, 1])
-        assert receipt.fields == tuple(fields.keys())
-        got = await store.get(["k2", "k1"], partition, list(fields.keys()))
-        expected = reference.get(["k2", "k1"], partition, list(fields.keys()))
-        assert list(got.keys()) == list(expected.keys())
-        for name in fields.keys():
-            assert columns_equal(got.get(name), expected.get(name)), name
-        assert jagged_lengths(got["input_ids"]) == (1, 0)
-        described = await store.describe(["k1"], partition)
-        assert described.tags == ({"r": 1},) and described.sequence_lengths == (0,)
-        await store.clear(["k1"], partition)
-        assert await store.list_keys(partition) == ("k11", "k2")
-        with pytest.raises(KeyError, match=r"1 keys are not stored in partition .*\['k1'\]"):
-            await store.get(["k1", "k2"], partition, ["texts"])
-        with pytest.raises(KeyError, match=r"field 'nope' is missing"):
-            await store.get(["k2"], partition, ["nope"])
-        with pytest.raises(ValueError, match=r"'keys' must be unique"):
-            await store.put(["z", "z"], partition, TensorDict({"x": torch.zeros(2)}, batch_size=[2]))
-        assert await store.list_keys(partition) == ("k11", "k2")
-        await store.clear(["k11", "k2"], partition)
-        await store.close()
-        await store.close()
-        with pytest.raises(RuntimeError, match=r"is closed"):
-            await store.list_keys(partition)
-
-    asyncio.run(scenario())
-    assert is_running()
-
-
-def test_async_transfer_queue_store_rejects_a_non_store() -> None:
-    """AsyncTransferQueueStore wraps only a TransferQueueStore."""
-    with pytest.raises(TypeError, match=r"'store' must be a TransferQueueStore: got dict"):
-        AsyncTransferQueueStore({})  # type: ignore[arg-type]
-
-
 def test_start_with_mooncake_missing_fails_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a loadable 'mooncake' package, start() names the pip package to install and starts nothing."""
-    import adapters.transfer_queue as adapter
+    import adapters.tq_mooncake as adapter
 
     config = {"backend": {"storage_backend": "MooncakeStore"}}
     running = is_running()

@@ -1,4 +1,4 @@
-"""WorkerGroup on real Ray with gloo: ranks and coords, collectives, sharded dispatch, leader broadcast, failures, shutdown.
+"""WorkerGroup on real Ray with gloo: ranks and coords, collectives, declared dispatch, leader broadcast, failures, shutdown.
 
 One group per layout (DP=2 x TP=2 and PP=2 x DP=2) is shared by the tests of
 this module; tests that break a group (a timeout, a killed actor) build their
@@ -26,7 +26,8 @@ from ray.exceptions import RayActorError
 from core.codec import is_jagged, to_jagged
 from core.topology import NamedSharding
 from shell.broadcast import broadcast_tensors, describe
-from shell.worker_group import Worker, WorkerError, WorkerGroup, WorkerTimeoutError
+from shell.worker import Worker, dispatch_of, on_all_ranks, sharded
+from shell.worker_group import WorkerError, WorkerGroup, WorkerTimeoutError
 
 pytestmark = pytest.mark.e2e
 
@@ -81,6 +82,7 @@ class ProbeWorker(Worker):
         self.tag = tag
         self.last_shard: Any = None
 
+    @on_all_ranks
     def whoami(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
@@ -92,11 +94,13 @@ class ProbeWorker(Worker):
             "env": os.environ.get("WG_TEST_FLAG"),
         }
 
+    @on_all_ranks
     def world_sum(self) -> int:
         t = torch.tensor([self.rank + 1])
         dist.all_reduce(t)
         return int(t.item())
 
+    @on_all_ranks
     def replica_sum(self) -> int:
         t = torch.tensor([self.rank + 1])
         group = self.replica_group()
@@ -104,22 +108,27 @@ class ProbeWorker(Worker):
             dist.all_reduce(t, group=group)
         return int(t.item())
 
+    @sharded
     def take_shard(self, shard: Any, *, step: int) -> dict[str, Any]:
         self.last_shard = shard
         return {"rank": self.rank, "shard": shard, "step": step}
 
+    @on_all_ranks
     def get_last_shard(self) -> Any:
         return self.last_shard
 
+    @on_all_ranks
     def explode_on(self, ranks: Sequence[int]) -> int:
         if self.rank in ranks:
             raise ValueError(f"boom on rank {self.rank}")
         return self.rank
 
+    @on_all_ranks
     def nap(self, seconds: float) -> int:
         time.sleep(seconds)
         return self.rank
 
+    @on_all_ranks
     def broadcast_probe(self) -> dict[str, Any]:
         """Broadcast ``sample_tensors`` from the replica leader while no tensor may be pickled; report sizes and calls."""
         data = sample_tensors() if self.is_replica_leader else None
@@ -151,24 +160,41 @@ class ProbeWorker(Worker):
             "payload_calls": payload_calls,
         }
 
-
+    @on_all_ranks
     def broadcast_non_tensor(self) -> dict[str, Any]:
         """The leader offers a non-tensor: every rank of the replica group must raise, none may hang."""
         data: Any = {"ids": [1, 2, 3]} if self.is_replica_leader else None
         return self.broadcast_from_leader(data)
 
+    @on_all_ranks
     def broadcast_from_non_leader(self) -> int:
         """Non-leaders pass data (a misuse): they raise before any communication; leaders do not take part."""
         if not self.is_replica_leader:
             broadcast_tensors({"x": torch.zeros(2)}, src=self.replica_leader, group=self.replica_group(), device="cpu")
         return self.rank
 
+    def undeclared(self) -> int:
+        """A public method without a dispatch declaration: the group must refuse to call it."""
+        return self.rank
+
+
+class OtherWorker(Worker):
+    """Another worker class: its methods, even a declared one named like ProbeWorker's, are not ProbeWorker's."""
+
+    @on_all_ranks
+    def whoami(self) -> str:
+        return "other"
+
+    @on_all_ranks
+    def elsewhere(self) -> str:
+        return "other"
+
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def group(request: pytest.FixtureRequest, ray_cluster: None) -> Iterator[WorkerGroup]:
     """A 4-rank gloo group per layout, shared by this module's tests."""
     sharding = NamedSharding(LAYOUTS[request.param])
-    wg = WorkerGroup(
+    with WorkerGroup(
         ProbeWorker,
         sharding,
         init_kwargs={"tag": request.param},
@@ -176,30 +202,24 @@ def group(request: pytest.FixtureRequest, ray_cluster: None) -> Iterator[WorkerG
         num_cpus_per_worker=CPUS,
         timeout_s=60,
         pg_timeout_s=60,
-    )
-    try:
+    ) as wg:
         yield wg
-    finally:
-        wg.shutdown()
 
 
 @pytest.fixture
 def small_group(ray_cluster: None) -> Iterator[WorkerGroup]:
     """A 2-rank (DP=2) group of one's own, for a test that breaks it."""
-    wg = WorkerGroup(ProbeWorker, NamedSharding({"data_parallel": 2}), num_cpus_per_worker=CPUS, pg_timeout_s=30)
-    try:
+    with WorkerGroup(ProbeWorker, NamedSharding({"data_parallel": 2}), num_cpus_per_worker=CPUS, pg_timeout_s=30) as wg:
         yield wg
-    finally:
-        wg.shutdown()
 
 
 # ---------------------------------------------------------------- placement and collectives
 
 
-def test_run_all_reports_rank_world_and_coords_of_layout(group: WorkerGroup) -> None:
+def test_call_reports_rank_world_and_coords_of_layout(group: WorkerGroup) -> None:
     """Actor r holds rank r, the world size and sharding.coords(r), matching torch.distributed's view."""
     s = group.sharding
-    reports = group.run_all("whoami")
+    reports = group.call(ProbeWorker.whoami)
     assert len(reports) == s.world_size == 4
     for r, report in enumerate(reports):
         assert report["rank"] == r and report["world_size"] == 4
@@ -209,42 +229,89 @@ def test_run_all_reports_rank_world_and_coords_of_layout(group: WorkerGroup) -> 
     assert {report["tag"] for report in reports} == {next(k for k, v in LAYOUTS.items() if NamedSharding(v) == s)}
 
 
-def test_run_all_all_reduce_spans_world(group: WorkerGroup) -> None:
+def test_call_all_reduce_spans_world(group: WorkerGroup) -> None:
     """A gloo all_reduce over the world sums every rank's value on every rank."""
-    assert group.run_all("world_sum") == [1 + 2 + 3 + 4] * 4
+    assert group.call(ProbeWorker.world_sum) == [1 + 2 + 3 + 4] * 4
 
 
 def test_replica_group_all_reduce_spans_dp_replicas(group: WorkerGroup) -> None:
     """An all_reduce over replica_group() sums exactly the ranks sharing the caller's dp index."""
     s = group.sharding
     expected = [sum(q + 1 for q in s.dp_shard_ranks(s.dp_index(r))) for r in range(s.world_size)]
-    assert group.run_all("replica_sum") == expected
+    assert group.call(ProbeWorker.replica_sum) == expected
 
 
 # ---------------------------------------------------------------- dispatch
 
 
-def test_run_sharded_sends_dp_shard_to_replicas_and_keeps_leaders(group: WorkerGroup) -> None:
+def test_call_sharded_sends_dp_shard_to_replicas_and_keeps_leaders(group: WorkerGroup) -> None:
     """Every rank gets its dp index's shard; one result per dp index comes back, the replica leader's."""
     s = group.sharding
     shards = [{"dp": d, "rows": list(range(3 * d, 3 * d + 3))} for d in range(s.axis_size("data_parallel"))]
-    results = group.run_sharded("take_shard", shards, common_kwargs={"step": 5})
+    results = group.call(ProbeWorker.take_shard, shards, step=5)
     assert results == [{"rank": leader, "shard": shards[d], "step": 5} for d, leader in enumerate(s.dp_leaders())]
-    assert group.run_all("get_last_shard") == [shards[s.dp_index(r)] for r in range(s.world_size)]
+    assert group.call(ProbeWorker.get_last_shard) == [shards[s.dp_index(r)] for r in range(s.world_size)]
 
 
-def test_run_sharded_rejects_wrong_shard_count(group: WorkerGroup) -> None:
-    """run_sharded needs one shard per dp index."""
+def test_call_sharded_rejects_wrong_shard_count(group: WorkerGroup) -> None:
+    """A @sharded call needs one shard per dp index."""
     with pytest.raises(ValueError, match=r"'shards' must have 2 entries \(one per data_parallel index\): got 3"):
-        group.run_sharded("take_shard", [1, 2, 3], common_kwargs={"step": 0})
+        group.call(ProbeWorker.take_shard, [1, 2, 3], step=0)
 
 
-def test_run_all_rejects_unknown_method(group: WorkerGroup) -> None:
-    """run_all names a method of the worker class, by name."""
-    with pytest.raises(ValueError, match=r"'method' must name a method of ProbeWorker: got 'nope'"):
-        group.run_all("nope")
-    with pytest.raises(TypeError, match=r"'method' must be a method name \(str\): got function"):
-        group.run_all(ProbeWorker.whoami)  # type: ignore[arg-type]
+def test_call_sharded_rejects_a_call_without_shards(group: WorkerGroup) -> None:
+    """A @sharded method called with no shards says how to call it."""
+    with pytest.raises(TypeError, match=r"take_shard is @sharded: call it as group.call\(\.\.\., shards, \.\.\.\) with one shard per dp index"):
+        group.call(ProbeWorker.take_shard, step=0)
+
+
+def test_call_rejects_a_method_name_string(group: WorkerGroup) -> None:
+    """A method is passed by reference: its name as a string is refused, with the corrected call shown."""
+    with pytest.raises(TypeError, match=r"'method' must be a worker method, not its name: got 'whoami'; pass the function, e\.g\. group\.call\(MyWorker\.whoami, \.\.\.\)"):
+        group.call("whoami")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"'method' must be a worker method, not its name: got 'nap'"):
+        group.submit("nap", 1.0)  # type: ignore[arg-type]
+
+
+def test_call_rejects_an_undeclared_method(group: WorkerGroup) -> None:
+    """A method without @on_all_ranks or @sharded cannot be called through a group (nor submitted)."""
+    with pytest.raises(TypeError, match=r"'method' must be declared with @on_all_ranks or @sharded where it is defined: got ProbeWorker\.undeclared without one"):
+        group.call(ProbeWorker.undeclared)
+    with pytest.raises(TypeError, match=r"got ProbeWorker\.undeclared without one"):
+        group.submit(ProbeWorker.undeclared)
+
+
+def test_call_rejects_a_method_of_another_class(group: WorkerGroup) -> None:
+    """A declared method of another worker class is refused, even when ProbeWorker has a method of that name."""
+    with pytest.raises(ValueError, match=r"'method' must be a declared method of ProbeWorker: got OtherWorker\.whoami"):
+        group.call(OtherWorker.whoami)
+    with pytest.raises(ValueError, match=r"'method' must be a declared method of ProbeWorker: got OtherWorker\.elsewhere"):
+        group.call(OtherWorker.elsewhere)
+    with pytest.raises(ValueError, match=r"'method' must be a declared method of ProbeWorker: got OtherWorker\.whoami"):
+        group.submit(OtherWorker.whoami)
+    assert group.call(ProbeWorker.whoami)[0]["rank"] == 0  # refused before anything was sent: the group still works
+
+
+def test_submit_rejects_a_sharded_method(group: WorkerGroup) -> None:
+    """submit starts an @on_all_ranks method; a @sharded one must go through call, with its shards."""
+    with pytest.raises(TypeError, match=r"'method' must be declared @on_all_ranks to be submitted: take_shard is @sharded"):
+        group.submit(ProbeWorker.take_shard, [1, 2], step=0)
+
+
+def test_call_accepts_a_declared_method_of_a_base_class(group: WorkerGroup) -> None:
+    """A declared method inherited from a base class is called by the base's reference (Worker.process_id)."""
+    pids = group.call(Worker.process_id)
+    assert len(set(pids)) == group.world_size and os.getpid() not in pids
+
+
+def test_dispatch_of_reads_the_declaration() -> None:
+    """dispatch_of gives the declared dispatch, and refuses a name or an undeclared callable."""
+    assert dispatch_of(ProbeWorker.whoami) == "on_all_ranks"
+    assert dispatch_of(ProbeWorker.take_shard) == "sharded"
+    with pytest.raises(TypeError, match=r"'method' must be a worker method, not its name: got 'whoami'"):
+        dispatch_of("whoami")
+    with pytest.raises(TypeError, match=r"got ProbeWorker\.undeclared without one"):
+        dispatch_of(ProbeWorker.undeclared)
 
 
 # ---------------------------------------------------------------- broadcast
@@ -253,7 +320,7 @@ def test_run_all_rejects_unknown_method(group: WorkerGroup) -> None:
 def test_broadcast_from_leader_delivers_identical_bytes(group: WorkerGroup) -> None:
     """Every rank of every replica group ends with the leader's tensors, byte for byte, jagged ones still jagged."""
     expected = canonical(sample_tensors())
-    reports = group.run_all("broadcast_probe")
+    reports = group.call(ProbeWorker.broadcast_probe)
     for r, report in enumerate(reports):
         assert list(report["tensors"]) == list(expected), f"rank {r}: names or order differ"
         for name, value in expected.items():
@@ -266,7 +333,7 @@ def test_broadcast_tensors_never_pickles_payload(group: WorkerGroup) -> None:
     data = sample_tensors()
     wires = [w for t in data.values() for w in ((t.values(), t.offsets()) if is_jagged(t) else (t,)) if w.numel()]
     payload = sum(len(_bytes(w)) for w in wires)
-    for r, report in enumerate(group.run_all("broadcast_probe")):
+    for r, report in enumerate(group.call(ProbeWorker.broadcast_probe)):
         assert len(report["descriptor_sizes"]) == 1, f"rank {r}"
         if group.sharding.is_replica_leader(r):
             assert report["descriptor_sizes"][0] < 4096 < payload
@@ -277,15 +344,15 @@ def test_broadcast_tensors_never_pickles_payload(group: WorkerGroup) -> None:
 def test_broadcast_tensors_fails_on_every_rank_when_source_rejects_data(group: WorkerGroup) -> None:
     """A source holding a non-tensor raises TypeError, and its receivers are told and raise too instead of hanging."""
     with pytest.raises(WorkerError, match=r"rank 0 \(.*\) raised in 'broadcast_non_tensor': TypeError: 'data\['ids'\]' must be a torch.Tensor: got list \[4 of 4 ranks failed") as info:
-        group.run_all("broadcast_non_tensor")
+        group.call(ProbeWorker.broadcast_non_tensor)
     assert isinstance(info.value.__cause__, TypeError)
-    assert group.run_all("replica_sum")  # the process groups are still in step
+    assert group.call(ProbeWorker.replica_sum)  # the process groups are still in step
 
 
 def test_broadcast_tensors_rejects_data_on_non_source(group: WorkerGroup) -> None:
     """A rank other than the source that passes data gets ValueError before anything is sent."""
     with pytest.raises(WorkerError, match=r"ValueError: 'data' must be None on every rank but the source \(\d\): got dict on rank \d; pass data only on the source \[2 of 4 ranks failed"):
-        group.run_all("broadcast_from_non_leader")
+        group.call(ProbeWorker.broadcast_from_non_leader)
 
 
 def test_describe_lists_layout_dtype_and_shape() -> None:
@@ -314,27 +381,27 @@ def test_describe_rejects_non_tensor_values() -> None:
 # ---------------------------------------------------------------- failures
 
 
-def test_run_all_raises_worker_error_naming_lowest_failed_rank(group: WorkerGroup) -> None:
+def test_call_raises_worker_error_naming_lowest_failed_rank(group: WorkerGroup) -> None:
     """Several failing ranks give ONE WorkerError naming the lowest, its coords, the count and the remote traceback."""
     s = group.sharding
     with pytest.raises(WorkerError, match=r"rank 1 \(.*\) raised in 'explode_on': ValueError: boom on rank 1 \[2 of 4 ranks failed") as info:
-        group.run_all("explode_on", [1, 3])
+        group.call(ProbeWorker.explode_on, [1, 3])
     error = info.value
     assert error.rank == 1 and error.failed_ranks == (1, 3) and error.method == "explode_on"
     assert error.coords == s.coords(1)
     assert "raise ValueError(f\"boom on rank {self.rank}\")" in error.remote_traceback
     assert "--- remote traceback of rank 1 ---" in str(error)
-    assert group.run_all("explode_on", []) == [0, 1, 2, 3]  # the group is still usable
+    assert group.call(ProbeWorker.explode_on, []) == [0, 1, 2, 3]  # the group is still usable
 
 
 def test_collect_raises_timeout_naming_slow_ranks(group: WorkerGroup) -> None:
     """A call that outlives its timeout raises WorkerTimeoutError naming the lowest running rank, promptly."""
-    refs = group.submit_all("nap", 1.0)
+    refs = group.submit(ProbeWorker.nap, 1.0)
     start = time.monotonic()
     with pytest.raises(WorkerTimeoutError, match=r"rank 0 \(.*\) did not finish 'nap' within 0.3 s \[4 of 4 ranks still running"):
-        group.collect(refs, method="nap", timeout_s=0.3)
+        group.collect(refs, ProbeWorker.nap, timeout_s=0.3)
     assert time.monotonic() - start < 1.0
-    assert group.collect(refs, method="nap") == [0, 1, 2, 3]  # the naps still finish, and the group is still usable
+    assert group.collect(refs, ProbeWorker.nap) == [0, 1, 2, 3]  # the naps still finish, and the group is still usable
 
 
 def _wait_until_dead(actor: Any, *, limit_s: float = 20.0) -> None:
@@ -350,13 +417,13 @@ def _wait_until_dead(actor: Any, *, limit_s: float = 20.0) -> None:
     raise AssertionError(f"actor still alive {limit_s} s after ray.kill")
 
 
-def test_run_all_reports_killed_actor_within_bound(small_group: WorkerGroup) -> None:
+def test_call_reports_killed_actor_within_bound(small_group: WorkerGroup) -> None:
     """A killed actor's rank is named by a WorkerError within a bounded time, and shutdown still completes."""
     ray.kill(small_group.actors[1], no_restart=True)
     _wait_until_dead(small_group.actors[1])  # ray.kill is asynchronous: a call racing it may still succeed
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"rank 1 \(.*data_parallel=1.*\) died during 'whoami': its actor is dead \[1 of 2 ranks failed") as info:
-        small_group.run_all("whoami")
+        small_group.call(ProbeWorker.whoami)
     assert time.monotonic() - start < 30
     assert info.value.rank == 1 and info.value.remote_traceback == ""
     small_group.shutdown()  # the dead rank's destroy call fails; shutdown still completes
@@ -370,9 +437,9 @@ def test_shutdown_twice_is_noop(ray_cluster: None) -> None:
     """shutdown kills the actors, a second shutdown does nothing, and later calls are refused (a one-rank group with env)."""
     wg = WorkerGroup(ProbeWorker, NamedSharding({}), num_cpus_per_worker=CPUS, env={"WG_TEST_FLAG": "on"})
     try:
-        assert wg.run_all("whoami")[0]["env"] == "on"  # merged with the session's env (the actor imports this module)
-        assert wg.run_sharded("take_shard", ["only"], common_kwargs={"step": 1}) == [{"rank": 0, "shard": "only", "step": 1}]
-        (report,) = wg.run_all("broadcast_probe")  # a replica group of one: the leader keeps its tensors, nothing is sent
+        assert wg.call(ProbeWorker.whoami)[0]["env"] == "on"  # merged with the session's env (the actor imports this module)
+        assert wg.call(ProbeWorker.take_shard, ["only"], step=1) == [{"rank": 0, "shard": "only", "step": 1}]
+        (report,) = wg.call(ProbeWorker.broadcast_probe)  # a replica group of one: the leader keeps its tensors, nothing is sent
         assert report["tensors"] == canonical(sample_tensors())
         assert report["descriptor_sizes"] == [] and report["payload_calls"] == []
     finally:
@@ -381,7 +448,7 @@ def test_shutdown_twice_is_noop(ray_cluster: None) -> None:
     wg.shutdown()
     assert wg.closed
     with pytest.raises(RuntimeError, match=r"is shut down: build a new one"):
-        wg.run_all("whoami")
+        wg.call(ProbeWorker.whoami)
     with pytest.raises(RayActorError, match=r"(?i)actor"):
         ray.get(actor.whoami.remote(), timeout=30)
 
@@ -389,7 +456,7 @@ def test_shutdown_twice_is_noop(ray_cluster: None) -> None:
 def test_worker_group_rejects_non_worker_class() -> None:
     """WorkerGroup takes a Worker subclass; nccl without GPUs and unknown backends are refused before any actor starts."""
     sharding = NamedSharding({"data_parallel": 2})
-    with pytest.raises(TypeError, match=r"'worker_cls' must be a subclass of shell.worker_group.Worker: got dict"):
+    with pytest.raises(TypeError, match=r"'worker_cls' must be a subclass of shell.worker.Worker: got dict"):
         WorkerGroup(dict, sharding)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"'num_gpus_per_worker' must be > 0 for backend 'nccl'"):
         WorkerGroup(ProbeWorker, sharding, backend="nccl")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 from hypothesis import strategies as st
@@ -16,7 +17,8 @@ from tensordict import NonTensorStack, TensorDict
 
 from core.meta import KVBatchMeta
 from core.packing import PACKING_ALGORITHMS
-from core.sharding import DynamicBatchingSpec, PackingSpec
+from core.step_plan import StepLayout
+from core.micro_batch import DynamicBatchingSpec, PackingSpec
 from core.topology import AXES, NamedSharding
 
 # ---------------------------------------------------------------- metadata
@@ -49,6 +51,23 @@ def meta_and_permutation(draw: st.DrawFn) -> tuple[KVBatchMeta, list[int]]:
     meta = draw(metas())
     perm = draw(st.permutations(list(range(len(meta)))))
     return meta, perm
+
+
+@st.composite
+def concat_operands(draw: st.DrawFn, *, count: int = 3) -> list[KVBatchMeta]:
+    """``count`` metas that concat accepts in any grouping: one partition and task name, disjoint keys,
+    agreeing extra_info; some are the empty meta ``KVBatchMeta()``, some have zero rows."""
+    task = draw(st.sampled_from([None, "addition"]))
+    shared_info = draw(st.dictionaries(st.sampled_from(["step", "note", "pad"]), st.integers(0, 9), max_size=3))
+    out = []
+    for i in range(count):
+        if draw(st.integers(0, 3)) == 0:
+            out.append(KVBatchMeta())
+            continue
+        meta = draw(metas(max_size=6))
+        info = {name: value for name, value in shared_info.items() if draw(st.booleans())}
+        out.append(attrs.evolve(meta, keys=[f"{i}-{k}" for k in meta.keys], extra_info=info, task_name=task))
+    return out
 
 
 permutations_of_range = st.integers(0, 64).flatmap(lambda n: st.permutations(list(range(n))))
@@ -121,7 +140,14 @@ def distinct_lengths_and_permutation(draw: st.DrawFn) -> tuple[list[int], int, l
     return lengths, capacity, draw(st.permutations(list(range(len(lengths)))))
 
 
-# sharding (core/sharding.py)
+# partitioning and sharding (core/partition.py, core/sharding.py)
+
+
+def lognormal_lengths(n: int, seed: int) -> list[int]:
+    """``n`` reproducible lognormal sequence lengths (median 700, clipped to [16, 8192]), like real rollouts."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.rint(rng.lognormal(np.log(700), 1.0, n)), 16, 8192).astype(int).tolist()
+
 
 partition_weight_values = st.sampled_from([st.integers(0, 1000), st.integers(0, 9), st.floats(0, 1e4, allow_nan=False)]).flatmap(lambda s: s)
 
@@ -181,6 +207,47 @@ def micro_batching_cases(draw: st.DrawFn) -> tuple[KVBatchMeta, int, int | None,
     else:
         spec = DynamicBatchingSpec(capacity, sequence_length_round=step)
     return meta, dp, draw(st.sampled_from([batch_size, None] if batches == 1 else [batch_size])), spec
+
+
+# step plans (core/step_plan.py)
+
+
+@st.composite
+def step_cases(draw: st.DrawFn) -> tuple[KVBatchMeta, StepLayout]:
+    """``(meta, layout)`` that ``shard_step`` accepts, train or not: plain, packing or dynamic batching,
+    with or without a train global batch size, pad multiple and TP size."""
+    plain = sharding_cases(with_lengths=True).map(lambda c: (*c, None))
+    meta, dp, batch_size, spec = draw(st.one_of(plain, micro_batching_cases()))
+    layout = StepLayout(
+        dp_size=dp,
+        train_global_batch_size=batch_size,
+        packing=spec if isinstance(spec, PackingSpec) else None,
+        dynamic_batching=spec if isinstance(spec, DynamicBatchingSpec) else None,
+        pad_multiple=draw(st.none() | st.integers(1, 16)),
+        tensor_parallel=draw(st.sampled_from([1, 2, 4])),
+    )
+    return meta, layout
+
+
+@st.composite
+def train_results(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """One worker train result per DP rank (1..4 ranks), every rank with the same number of optimizer steps."""
+    steps = draw(st.integers(0, 4))
+    finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)
+    grad_norm = draw(st.lists(st.floats(0, 1e3, width=32), min_size=steps, max_size=steps))
+    out = []
+    for _ in range(draw(st.integers(1, 4))):
+        micro_batches = draw(st.lists(st.integers(1, 3), min_size=steps, max_size=steps))
+        out.append(
+            {
+                "loss": draw(st.lists(finite, min_size=steps, max_size=steps)),
+                "grad_norm": grad_norm,
+                "metrics": [[{"loss": draw(finite)} for _ in range(count)] for count in micro_batches],
+                "micro_batches": micro_batches,
+                "forward_seq_length": draw(st.integers(0, 512)),
+            }
+        )
+    return out
 
 
 # ---------------------------------------------------------------- tensors
@@ -591,6 +658,32 @@ def carry_and_index_blocks(draw: st.DrawFn, *, shuffle: bool) -> tuple[Any, list
     return carry, [order[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+# ---------------------------------------------------------------- entropy (core/entropy.py)
+
+vocab_sizes = st.integers(1, 512)
+"""Vocabulary sizes: from a single id up to a few hundred."""
+
+
+@st.composite
+def masked_logits(draw: st.DrawFn, *, max_rows: int = 4, max_vocab: int = 24) -> torch.Tensor:
+    """Float32 logits [B, V] in [-30, 30], some ids masked to -inf, at least one finite id per row."""
+    b, v = draw(st.integers(1, max_rows)), draw(st.integers(1, max_vocab))
+    values = draw(st.lists(st.floats(-30, 30, width=32), min_size=b * v, max_size=b * v))
+    logits = torch.tensor(values, dtype=torch.float32).reshape(b, v)
+    masked = torch.tensor(draw(st.lists(st.booleans(), min_size=b * v, max_size=b * v))).reshape(b, v)
+    keep = torch.tensor(draw(st.lists(st.integers(0, v - 1), min_size=b, max_size=b)))
+    masked[torch.arange(b), keep] = False
+    return logits.masked_fill(masked, float("-inf"))
+
+
+@st.composite
+def row_entropies(draw: st.DrawFn, *, max_rows: int = 20) -> tuple[list[float], list[int]]:
+    """Per-row summed entropies and token counts (at least one token in all): what a rollout carries."""
+    n = draw(st.integers(1, max_rows))
+    tokens = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n).filter(lambda t: sum(t) > 0))
+    return [draw(st.floats(0.0, 3.0 * t)) for t in tokens], tokens
+
+
 # ---------------------------------------------------------------- integrity (core/integrity.py digests)
 
 DIGEST_DTYPES = (*CODEC_DTYPES, torch.int16, torch.complex64, torch.complex128)
@@ -637,3 +730,39 @@ def digest_dense_rows(draw: st.DrawFn) -> torch.Tensor:
 def digest_object_rows(draw: st.DrawFn) -> list[Any]:
     """Per-row Python objects (as ``store_object_values``) for object digests."""
     return draw(st.lists(store_object_values, max_size=6))
+
+
+# ---------------------------------------------------------------- run config (shell/run_config.py)
+
+config_texts = st.text(
+    alphabet=st.characters(categories=("L", "N", "P", "S", "Zs"), exclude_characters="\x85\u2028\u2029"),
+    min_size=1,
+    max_size=12,
+)
+"""Non-empty text a string config value may hold (letters, digits, punctuation, symbols, spaces)."""
+
+plain_override_texts = config_texts.filter(lambda t: not t.startswith(("'", '"')))
+"""Text after ``key=`` of a string key that is read as typed (one that starts with a quote is parsed as YAML)."""
+
+yaml_11_words = st.sampled_from(
+    ["off", "on", "no", "yes", "n", "y", "Off", "NO", "true", "False", "null", "~", "12:30:00", "0777", "0x1F",
+     "1e3", ".inf", ".nan", "2026-11-23", "<<", "=", "#1", "a: b", "- x", "!tag", "&anchor", "*alias", "%dir"]
+)
+"""Strings YAML 1.1 (and 1.2) would read as something else, or as syntax."""
+
+
+@st.composite
+def run_config_overrides(draw: st.DrawFn) -> list[str]:
+    """``key=value`` overrides that load: typed values, and string keys holding any text."""
+    out = [
+        f"seed={draw(st.integers(0, 2**31))}",
+        f"grpo.num_steps={draw(st.integers(1, 10**6))}",
+        f"grpo.temperature={draw(st.floats(1e-3, 10.0))!r}",
+        f"grpo.leave_one_out={draw(st.sampled_from(['true', 'false', 'True', 'FALSE']))}",
+        f"run.progress={draw(st.sampled_from(['auto', 'bar', 'plain', 'off']))}",
+        f"data_plane.partition={draw(st.one_of(plain_override_texts, yaml_11_words))}",
+        f"policy.fetch_policy={draw(st.sampled_from(['auto', 'independent', 'leader_broadcast']))}",
+    ]
+    if draw(st.booleans()):
+        out.append(f"run.dir={draw(st.one_of(plain_override_texts, yaml_11_words).filter(lambda t: t not in ('null', '~')))}")
+    return out

@@ -127,9 +127,9 @@ def test_to_jagged_rejects_bad_input() -> None:
         to_jagged(padded, [1, 4])
     with pytest.raises(ValueError, match=r"row 0 has length -1, S is 3"):
         to_jagged(padded, torch.tensor([-1, 0]))
-    with pytest.raises(TypeError, match="'lengths' entries must be int: got bool for row 1"):
+    with pytest.raises(TypeError, match="'lengths' entries must be int: got bool at index 1"):
         to_jagged(padded, [1, True])
-    with pytest.raises(TypeError, match="'lengths' entries must be int: got float for row 0"):
+    with pytest.raises(TypeError, match="'lengths' entries must be int: got float at index 0"):
         to_jagged(padded, [1.0, 2])
     with pytest.raises(TypeError, match="'lengths' must hold integers: got dtype torch.float32"):
         to_jagged(padded, torch.tensor([1.0, 2.0]))
@@ -326,7 +326,7 @@ def test_pack_fields_rejects_bad_input() -> None:
         pack_fields({"ids": ids}, lengths=[5, 2], token_fields=["ids"])
     with pytest.raises(ValueError, match=r"'fields\['ids'\]' is jagged with row lengths other than 'lengths': row 1 has 2, expected 3"):
         pack_fields({"ids": to_jagged(ids, [1, 2])}, lengths=[1, 3], token_fields=["ids"])
-    with pytest.raises(ValueError, match="'lengths' entries must be >= 0: row 0 has length -2"):
+    with pytest.raises(ValueError, match="'lengths' entries must be >= 0: got -2 at index 0"):
         pack_fields({"ids": ids}, lengths=[-2, 1], token_fields=["ids"])
     with pytest.raises(TypeError, match=r"'fields\['ids'\]' must be a torch.Tensor: got list"):
         pack_fields({"ids": [[1]]}, lengths=[1], token_fields=["ids"])  # type: ignore[dict-item]

@@ -225,7 +225,7 @@ def test_group_baseline_rejects_bad_group_ids() -> None:
         group_baseline(rewards, [0, 1])
     with pytest.raises(TypeError, match=r"'group_ids' must have an integer dtype: got torch.float32; pass group_ids.long\(\)"):
         group_baseline(rewards, torch.zeros(3))
-    with pytest.raises(TypeError, match=r"'group_ids' entries must be int: got float at position 1"):
+    with pytest.raises(TypeError, match=r"'group_ids' entries must be int: got float at index 1"):
         group_baseline(rewards, [0, 1.5, 2])  # type: ignore[list-item]
     with pytest.raises(TypeError, match=r"'group_ids' must be an integer tensor or a sequence of ints: got str"):
         group_baseline(rewards, "abc")  # type: ignore[arg-type]

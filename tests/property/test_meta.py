@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from core.frozen import FrozenDict, freeze, thaw
 from core.meta import KVBatchMeta
 from core.permutation import inverse_permutation
-from tests.property.strategies import meta_and_permutation, metas
+from tests.property.strategies import concat_operands, meta_and_permutation, metas
 
 
 @given(metas(), st.data())
@@ -64,6 +64,33 @@ def test_concat_fields_are_ordered_intersection(a: KVBatchMeta, b: KVBatchMeta) 
     assert merged.keys == a.keys + b.keys
     both_lengths = a.sequence_lengths is not None and b.sequence_lengths is not None
     assert (merged.sequence_lengths is not None) == both_lengths
+
+
+@given(metas())
+def test_concat_empty_meta_is_left_and_right_identity(meta: KVBatchMeta) -> None:
+    """KVBatchMeta() is the neutral element of concat: it keeps every other meta's tags, lengths, fields and extra_info."""
+    empty = KVBatchMeta()
+    assert empty.concat(meta) == meta
+    assert meta.concat(empty) == meta
+    assert empty.concat(meta, empty) == meta == meta.concat(empty, empty)
+    assert empty.concat(empty) == empty
+
+
+@given(concat_operands())
+def test_concat_is_associative(operands: list[KVBatchMeta]) -> None:
+    """(a + b) + c == a + (b + c) == concat of all three at once, empty metas included."""
+    a, b, c = operands
+    assert a.concat(b).concat(c) == a.concat(b.concat(c)) == a.concat(b, c)
+
+
+def test_empty_meta_holds_nothing() -> None:
+    """KVBatchMeta() has no partition and no rows; a meta that holds anything must name a partition."""
+    empty = KVBatchMeta()
+    assert (empty.partition_id, len(empty), empty.fields, empty.extra_info) == ("", 0, (), {})
+    assert empty.is_empty_meta() and not KVBatchMeta("p", []).is_empty_meta()
+    for content in ({"keys": ["a"]}, {"fields": ["x"]}, {"sequence_lengths": []}, {"extra_info": {"step": 1}}, {"task_name": "t"}):
+        with pytest.raises(ValueError, match=r"'partition_id' must be a non-empty string: got ''; only the empty meta"):
+            KVBatchMeta(**content)
 
 
 def test_meta_is_deeply_immutable() -> None:
@@ -179,9 +206,9 @@ def test_inverse_permutation_rejects_non_permutations() -> None:
     """inverse_permutation rejects repeats, out-of-range entries and non-ints."""
     with pytest.raises(ValueError, match=r"entry 1 repeats"):
         inverse_permutation([1, 1])
-    with pytest.raises(ValueError, match=r"entry 2 at position 1 is out of range"):
+    with pytest.raises(ValueError, match=r"entry 2 at index 1 is out of range"):
         inverse_permutation([0, 2])
-    with pytest.raises(TypeError, match=r"got float at position 0"):
+    with pytest.raises(TypeError, match=r"got float at index 0"):
         inverse_permutation([0.0])
 
 

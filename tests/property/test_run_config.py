@@ -1,27 +1,37 @@
-"""Laws and error paths of ``shell.run_config`` and the ``python -m shell.run`` command line (no Ray is started here)."""
+"""Laws and error paths of ``shell.run_config`` (reading a run's config) and ``--help`` (no Ray is started here)."""
 
 from __future__ import annotations
 
-import dataclasses
+import copy
+import math
 import re
-import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
-from omegaconf import DictConfig, OmegaConf, SCMode
-from omegaconf.errors import ReadonlyConfigError
 
+from shell.config_schema import TRANSFER_QUEUE_CPUS
 from shell.run_config import (
     ConfigError,
+    ProgressMode,
+    RunConfig,
     StoreBackend,
-    check_run_config,
+    cluster_cpus,
     describe_keys,
+    dump_run_config,
     load_run_config,
     parse_overrides,
+    run_config_from_dict,
+    run_config_to_dict,
+    save_run_config,
+    select,
 )
+from shell.run_task import checked_rewards, load_task, probe_task
+from tests.property.strategies import plain_override_texts, run_config_overrides, yaml_11_words
 
 # The keys the product spec names; they must exist under exactly these names.
 SPEC_KEYS = [
@@ -40,21 +50,39 @@ SPEC_KEYS = [
 
 
 @pytest.fixture(scope="module")
-def defaults() -> DictConfig:
+def defaults() -> RunConfig:
     """The packaged config, loaded once."""
     return load_run_config()
 
 
 def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
-    """Dotted keys of the leaves of an instantiated config: a schema section (dataclass) is a branch, anything else a leaf."""
+    """Dotted keys of the leaves of a config: a section (attrs class) is a branch, anything else a leaf."""
     keys: list[str] = []
-    for field in dataclasses.fields(node):
+    for field in attrs.fields(type(node)):
+        if not field.init:  # derived, not a key (TaskSection.instance)
+            continue
         value = getattr(node, field.name)
-        if dataclasses.is_dataclass(value):
+        if attrs.has(type(value)):
             keys += _leaf_keys(value, f"{prefix}{field.name}.")
         else:
             keys.append(f"{prefix}{field.name}")
     return keys
+
+
+def _with(config: RunConfig, overrides: list[str]) -> dict[str, Any]:
+    """``config`` as plain values with ``overrides`` applied (typed by the schema), not checked."""
+    data = run_config_to_dict(config)
+    parsed = parse_overrides(overrides)
+
+    def merge(into: dict[str, Any], other: dict[str, Any]) -> None:
+        for key, value in other.items():
+            if isinstance(value, dict) and isinstance(into.get(key), dict):
+                merge(into[key], value)
+            else:
+                into[key] = value.value if isinstance(value, ProgressMode | StoreBackend) else value
+
+    merge(data, parsed)
+    return data
 
 
 def _raises_naming(key: str) -> Any:
@@ -65,20 +93,25 @@ def _raises_naming(key: str) -> Any:
 # ---------------------------------------------------------------- the packaged defaults
 
 
-def test_load_run_config_packaged_yaml_sets_every_key(defaults: DictConfig) -> None:
-    """With no overrides the packaged YAML loads and leaves no key missing."""
-    assert OmegaConf.missing_keys(defaults) == set()
+def test_load_run_config_packaged_yaml_sets_every_key(defaults: RunConfig) -> None:
+    """With no overrides the packaged YAML loads into a RunConfig and every key has its value there."""
+    assert isinstance(defaults, RunConfig)
+    packaged = yaml.safe_load((Path(__file__).parents[2] / "shell" / "grpo.yaml").read_text())
+    for key in _leaf_keys(defaults):
+        node = packaged
+        for part in key.split("."):
+            assert isinstance(node, dict) and part in node, key
+            node = node[part]
 
 
-def test_describe_keys_lists_exactly_the_leaf_keys_with_comments(defaults: DictConfig) -> None:
+def test_describe_keys_lists_exactly_the_leaf_keys_with_comments(defaults: RunConfig) -> None:
     """``describe_keys`` names every leaf of the loaded config once, in schema order, each with a non-empty comment."""
     rows = list(describe_keys())
-    instance = OmegaConf.to_container(defaults, structured_config_mode=SCMode.INSTANTIATE)
-    assert [key for key, _, _ in rows] == _leaf_keys(instance)
+    assert [key for key, _, _ in rows] == _leaf_keys(defaults)
     assert all(comment.strip() for _, _, comment in rows), [key for key, _, comment in rows if not comment.strip()]
 
 
-def test_describe_keys_shows_the_given_defaults(defaults: DictConfig) -> None:
+def test_describe_keys_shows_the_given_defaults(defaults: RunConfig) -> None:
     """The shown default of a key follows the config passed in (here: overridden values)."""
     config = load_run_config(["grpo.num_steps=7", "data_plane.backend=memory", "data_plane.enabled=false"])
     shown = {key: value for key, value, _ in describe_keys(config)}
@@ -89,14 +122,16 @@ def test_describe_keys_shows_the_given_defaults(defaults: DictConfig) -> None:
 
 
 @pytest.mark.parametrize("key", SPEC_KEYS)
-def test_load_run_config_has_the_spec_keys(defaults: DictConfig, key: str) -> None:
-    """Each key the product spec requires exists under its name and is listed by ``describe_keys``."""
-    sentinel = object()
-    assert OmegaConf.select(defaults, key, default=sentinel) is not sentinel
+def test_load_run_config_has_the_spec_keys(defaults: RunConfig, key: str) -> None:
+    """Each key the product spec requires exists under its name (as an attribute path) and is listed by ``describe_keys``."""
+    node: Any = defaults
+    for part in key.split("."):
+        node = getattr(node, part)
+    assert select(defaults, key) == node
     assert key in {k for k, _, _ in describe_keys(defaults)}
 
 
-def test_load_run_config_data_plane_defaults_to_transfer_queue(defaults: DictConfig) -> None:
+def test_load_run_config_data_plane_defaults_to_transfer_queue(defaults: RunConfig) -> None:
     """The data plane is on by default, on the TransferQueue backend."""
     assert defaults.data_plane.enabled is True
     assert defaults.data_plane.backend == StoreBackend.transfer_queue
@@ -131,21 +166,25 @@ def test_load_run_config_overrides_are_typed() -> None:
         ]
     ).flatmap(lambda case: st.tuples(st.just(case[0]), case[1]))
 )
-def test_load_run_config_an_override_changes_exactly_its_key(defaults: DictConfig, case: tuple[str, Any]) -> None:
+def test_load_run_config_an_override_changes_exactly_its_key(defaults: RunConfig, case: tuple[str, Any]) -> None:
     """``key=value`` sets that key to the value and leaves every other key at its default."""
     key, value = case
     text = str(value).lower() if isinstance(value, bool) else repr(value) if isinstance(value, float) else str(value)
     config = load_run_config([f"{key}={text}"])
-    assert OmegaConf.select(config, key) == value
-    expected = OmegaConf.create(OmegaConf.to_container(defaults))
-    OmegaConf.update(expected, key, value)
-    assert OmegaConf.to_container(config) == OmegaConf.to_container(expected)
+    assert select(config, key) == value
+    expected = copy.deepcopy(run_config_to_dict(defaults))
+    *parents, leaf = key.split(".")
+    branch = expected
+    for part in parents:
+        branch = branch[part]
+    branch[leaf] = value
+    assert run_config_to_dict(config) == expected
 
 
 def test_parse_overrides_parses_dotted_keys() -> None:
     """``a.b=1`` becomes the nested config ``{a: {b: 1}}`` with YAML-typed scalars."""
     parsed = parse_overrides(["grpo.num_steps=3", "data_plane.enabled=false", "run.dir=null"])
-    assert OmegaConf.to_container(parsed) == {"grpo": {"num_steps": 3}, "data_plane": {"enabled": False}, "run": {"dir": None}}
+    assert parsed == {"grpo": {"num_steps": 3}, "data_plane": {"enabled": False}, "run": {"dir": None}}
 
 
 @pytest.mark.parametrize("item", ["grpo.num_steps", "=5", "data_plane.enabled"])
@@ -190,7 +229,7 @@ def test_load_run_config_rejects_a_scalar_for_a_section_naming_it() -> None:
     assert info.value.key == "grpo.dapo"
 
 
-# Each ``_require`` of ``check_run_config``: overrides of a well-typed but impossible value, and the key named.
+# Each check of the schema: overrides of a well-typed but impossible value, and the key named.
 IMPOSSIBLE = [
     (["seed=-1"], "seed"),
     (["run.checkpoint_every=-1"], "run.checkpoint_every"),
@@ -226,7 +265,7 @@ IMPOSSIBLE = [
 
 
 @pytest.mark.parametrize(("overrides", "key"), IMPOSSIBLE, ids=[" ".join(o) for o, _ in IMPOSSIBLE])
-def test_check_run_config_rejects_impossible_values(overrides: list[str], key: str) -> None:
+def test_load_run_config_rejects_impossible_values(overrides: list[str], key: str) -> None:
     """A well-typed but impossible value is a ConfigError whose key and message name that key."""
     with _raises_naming(key) as info:
         load_run_config(overrides)
@@ -234,18 +273,18 @@ def test_check_run_config_rejects_impossible_values(overrides: list[str], key: s
 
 
 @pytest.mark.parametrize(("overrides", "key"), IMPOSSIBLE[:3] + IMPOSSIBLE[-8:], ids=[" ".join(o) for o, _ in IMPOSSIBLE[:3] + IMPOSSIBLE[-8:]])
-def test_check_run_config_rejects_an_impossible_merged_config(overrides: list[str], key: str) -> None:
-    """Called directly on a merged (unchecked) config, ``check_run_config`` names the same key."""
-    merged = OmegaConf.merge(load_run_config(), parse_overrides(overrides))
+def test_run_config_from_dict_rejects_an_impossible_merged_config(overrides: list[str], key: str) -> None:
+    """Built from plain values (library use, not the command line), the config names the same key."""
+    merged = _with(load_run_config(), overrides)
     with _raises_naming(key):
-        check_run_config(merged)  # type: ignore[arg-type]
+        run_config_from_dict(merged)
 
 
-def test_check_run_config_accepts_the_defaults(defaults: DictConfig) -> None:
-    """The packaged defaults pass the checks (returns None, changes nothing)."""
-    before = OmegaConf.to_container(defaults)
-    assert check_run_config(defaults) is None
-    assert OmegaConf.to_container(defaults) == before
+def test_run_config_from_dict_accepts_the_defaults(defaults: RunConfig) -> None:
+    """The packaged defaults pass the checks when rebuilt from their values, and come back equal."""
+    before = run_config_to_dict(defaults)
+    assert run_config_from_dict(before) == defaults
+    assert run_config_to_dict(defaults) == before
 
 
 def test_load_run_config_accepts_a_layout_that_divides_the_model() -> None:
@@ -259,12 +298,12 @@ def test_load_run_config_accepts_a_layout_that_divides_the_model() -> None:
 # ---------------------------------------------------------------- config files
 
 
-def test_load_run_config_reads_another_yaml_file(tmp_path: Path, defaults: DictConfig) -> None:
-    """A full YAML file replaces the packaged one and overrides still apply on top."""
-    data = OmegaConf.to_container(defaults, enum_to_str=True)
+def test_load_run_config_reads_another_yaml_file(tmp_path: Path, defaults: RunConfig) -> None:
+    """A full YAML file (written by any YAML tool) replaces the packaged one and overrides still apply on top."""
+    data = run_config_to_dict(defaults)
     data["grpo"]["num_steps"] = 11
     path = tmp_path / "mine.yaml"
-    OmegaConf.save(OmegaConf.create(data), path)
+    path.write_text(yaml.safe_dump(data))
     config = load_run_config(["seed=9"], config_file=path)
     assert (config.grpo.num_steps, config.seed) == (11, 9)
 
@@ -319,51 +358,285 @@ def test_load_run_config_rejects_a_file_that_is_not_a_mapping(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize(("key", "value"), [("seed", 1), ("grpo.num_steps", 2), ("policy.layout.data_parallel", 2)])
-def test_load_run_config_result_is_read_only(defaults: DictConfig, key: str, value: int) -> None:
+def test_load_run_config_result_is_read_only(defaults: RunConfig, key: str, value: int) -> None:
     """Assigning to any key of the loaded config raises."""
     parent, _, leaf = key.rpartition(".")
-    node = OmegaConf.select(defaults, parent) if parent else defaults
-    with pytest.raises(ReadonlyConfigError, match="read-only"):
+    node = select(defaults, parent) if parent else defaults
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
         setattr(node, leaf, value)
 
 
-# ---------------------------------------------------------------- the command line (shell.run)
 
 
-def test_parse_args_help_lists_every_config_key(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--help`` exits 0 and lists every key of ``describe_keys`` with its comment."""
-    from shell.run import parse_args
-
-    with pytest.raises(SystemExit) as info:
-        parse_args(["--help"])
-    assert info.value.code == 0
-    out = capsys.readouterr().out
-    for key, value, comment in describe_keys():
-        assert re.search(rf"^\s+{re.escape(key)}={re.escape(value)}\s+{re.escape(comment)}$", out, re.M), key
+# ---------------------------------------------------------------- values as typed (YAML 1.1 does not guess)
 
 
-def test_parse_args_collects_options_and_overrides() -> None:
-    """Options go to their attributes and ``key=value`` items to ``overrides``, in order."""
-    from shell.run import parse_args
+@pytest.mark.parametrize("text", ["off", "on", "no", "yes", "12:30:00", "0777", "0x1F", "1e3", "null", "~", "#1", "a: b"])
+def test_load_run_config_string_keys_keep_the_text_as_typed(text: str) -> None:
+    """A string key holds the characters typed, even those YAML 1.1 reads as a bool, a number or syntax."""
+    config = load_run_config([f"data_plane.partition={text}", "task.kwargs.max_operand=4"])
+    assert config.data_plane.partition == text
+    if text not in ("null", "~"):  # run.dir may be null: a plain null is None there (quote it: 'null')
+        assert load_run_config([f"run.dir={text}"]).run.dir == text
 
-    args = parse_args(["--config", "c.yaml", "grpo.num_steps=2", "seed=1"])
-    assert (args.config, args.resume, args.overrides) == ("c.yaml", None, ["grpo.num_steps=2", "seed=1"])
+
+@given(plain_override_texts)
+def test_load_run_config_a_plain_override_keeps_its_characters(text: str) -> None:
+    """``data_plane.partition=<text>`` holds exactly ``text``, whatever characters it has."""
+    assert load_run_config([f"data_plane.partition={text}"]).data_plane.partition == text
 
 
-@pytest.mark.parametrize(("argv", "key"), [(["grpo.nope=1"], "grpo.nope"), (["grpo.num_steps=0"], "grpo.num_steps")])
-def test_main_rejects_a_bad_config_before_starting_anything(capsys: pytest.CaptureFixture[str], argv: list[str], key: str) -> None:
-    """A bad key or value makes ``main`` return 2 within seconds, name the key on stderr, and leave Ray as it was."""
-    import ray
+def test_load_run_config_reads_enum_words_that_yaml_reads_as_booleans() -> None:
+    """``run.progress=off`` is the documented value ``off`` (YAML 1.1 reads it as false)."""
+    assert load_run_config(["run.progress=off"]).run.progress is ProgressMode.off
+    with _raises_naming("run.progress") as info:
+        load_run_config(["run.progress=False"])
+    assert str(info.value) == "config key 'run.progress': must be one of auto, bar, plain, off: got 'False'"
 
-    import shell.grpo_trainer  # noqa: F401  (main imports it; its import time is not what is measured)
-    from shell.run import EXIT_USAGE, main
 
-    was_initialized = ray.is_initialized()  # True when an e2e session cluster runs in this process
-    start = time.monotonic()
-    status = main(argv)
-    elapsed = time.monotonic() - start
-    captured = capsys.readouterr()
-    assert status == EXIT_USAGE == 2
-    assert key in captured.err
-    assert elapsed < 5.0
-    assert ray.is_initialized() == was_initialized, "a rejected config must not start (or stop) Ray"
+def test_load_run_config_a_quoted_null_is_text() -> None:
+    """A plain ``null`` is None for an optional string; quoted, it is the text."""
+    assert load_run_config(["run.dir=null"]).run.dir is None
+    assert load_run_config(["run.dir='null'"]).run.dir == "null"
+
+
+def test_load_run_config_string_values_in_a_file_keep_their_text(tmp_path: Path, defaults: RunConfig) -> None:
+    """In a YAML file too, ``progress: off`` and ``partition: no`` keep their words."""
+    text = dump_run_config(defaults).replace("progress: auto", "progress: off").replace("partition: grpo", "partition: no")
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    config = load_run_config(config_file=path)
+    assert (config.run.progress, config.data_plane.partition) == (ProgressMode.off, "no")
+
+
+@pytest.mark.parametrize("text", ["true", "True", "TRUE", "false", "False"])
+def test_load_run_config_booleans_are_true_or_false(text: str) -> None:
+    """A boolean key reads true/false in any case."""
+    assert load_run_config([f"data_plane.enabled={text}"]).data_plane.enabled is (text.lower() == "true")
+
+
+@pytest.mark.parametrize("text", ["2", "0", "1", "yes", "no", "on", "off", "y", ""])
+def test_load_run_config_booleans_reject_everything_else(text: str) -> None:
+    """``data_plane.enabled=2`` (or yes, on, 1, ...) is a ConfigError naming the key and the value as typed."""
+    with _raises_naming("data_plane.enabled") as info:
+        load_run_config([f"data_plane.enabled={text}"])
+    assert "must be true or false" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", ".NaN", "1e999"])
+@pytest.mark.parametrize("key", ["policy.learning_rate", "grpo.temperature", "grpo.loss.kl_coef", "policy.timeout_s"])
+def test_load_run_config_rejects_non_finite_numbers(key: str, value: str) -> None:
+    """Infinity and NaN are rejected up front for every number, naming the key."""
+    with _raises_naming(key) as info:
+        load_run_config([f"{key}={value}"])
+    assert "finite" in str(info.value)
+
+
+def test_load_run_config_rejects_one_generation_per_prompt() -> None:
+    """One response per prompt has advantage 0 (nothing to learn): the key must be >= 2."""
+    with _raises_naming("grpo.num_generations_per_prompt"):
+        load_run_config(["grpo.num_generations_per_prompt=1"])
+    assert load_run_config(["grpo.num_generations_per_prompt=2"]).grpo.num_generations_per_prompt == 2
+
+
+@pytest.mark.parametrize("address", ["garbage", "no", "off", "host", "host:", ":6379", "host:0", "host:65536",
+                                     "ray://host:10001", "http://host:6379", "a b:1"])
+def test_load_run_config_rejects_a_malformed_ray_address(address: str) -> None:
+    """``ray.address`` is 'auto', host:port or null; anything else is a ConfigError naming it."""
+    with _raises_naming("ray.address") as info:
+        load_run_config([f"ray.address={address}"])
+    assert "must be 'auto', host:port" in str(info.value)
+
+
+@pytest.mark.parametrize("address", ["auto", "10.0.0.1:6379", "head-node.local:6379", "[::1]:6379", "localhost:1"])
+def test_load_run_config_accepts_ray_addresses(address: str) -> None:
+    """'auto' and host:port (IPv6 in brackets) load as typed."""
+    assert load_run_config([f"ray.address={address}"]).ray.address == address
+
+
+# ---------------------------------------------------------------- round trip of config.yaml
+
+
+@given(run_config_overrides())
+def test_save_run_config_round_trips(tmp_path_factory: pytest.TempPathFactory, overrides: list[str]) -> None:
+    """A config written by ``save_run_config`` (a run's config.yaml) loads back equal with ``--config``."""
+    config = load_run_config(overrides)
+    path = save_run_config(config, tmp_path_factory.mktemp("rt") / "config.yaml")
+    assert load_run_config(config_file=path) == config
+
+
+@given(run_config_overrides())
+def test_run_config_to_dict_round_trips(overrides: list[str]) -> None:
+    """``run_config_from_dict(run_config_to_dict(c)) == c``."""
+    config = load_run_config(overrides)
+    assert run_config_from_dict(run_config_to_dict(config)) == config
+
+
+@given(st.lists(yaml_11_words, min_size=1, max_size=3))
+def test_save_run_config_keeps_task_kwargs_strings(words: list[str]) -> None:
+    """Free-form task arguments that are strings stay strings through config.yaml (quoted when YAML would misread them)."""
+    config = load_run_config(["task.name=tests.property.task_plugins:KwargsEcho", *(f"task.kwargs.k{i}='{w}'" for i, w in enumerate(words) if "'" not in w)])
+    text = dump_run_config(config)
+    again = run_config_from_dict(yaml.safe_load(text))
+    assert again.task.kwargs == config.task.kwargs
+
+
+# ---------------------------------------------------------------- files
+
+
+def test_load_run_config_rejects_a_binary_file_naming_it(tmp_path: Path) -> None:
+    """A --config file that is not text is a ConfigError on --config naming the path."""
+    path = tmp_path / "weights.pt"
+    path.write_bytes(b"PK\x03\x04\xff\xfe\x00binary")
+    with pytest.raises(ConfigError, match=rf"config key '--config': {re.escape(str(path))} is not a text \(UTF-8\) YAML file"):
+        load_run_config(config_file=path)
+
+
+def test_load_run_config_rejects_a_folder(tmp_path: Path) -> None:
+    """A --config that is a folder is a ConfigError naming it."""
+    with pytest.raises(ConfigError, match=rf"config key '--config': must be a YAML file: {re.escape(str(tmp_path))} is a folder"):
+        load_run_config(config_file=tmp_path)
+
+
+def test_load_run_config_rejects_a_repeated_key_in_a_file(tmp_path: Path, defaults: RunConfig) -> None:
+    """A key given twice in one file is an error naming it (YAML would silently keep the last)."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(dump_run_config(defaults) + "seed: 3\n")
+    with _raises_naming("seed", ) as info:
+        load_run_config(config_file=path)
+    assert "given twice" in str(info.value)
+
+
+def test_load_run_config_suggests_the_closest_key() -> None:
+    """A misspelt key names the key it probably meant."""
+    with _raises_naming("grpo.num_step") as info:
+        load_run_config(["grpo.num_step=3"])
+    assert "did you mean grpo.num_steps?" in str(info.value)
+
+
+def test_load_run_config_overrides_apply_in_order() -> None:
+    """A later override of the same key wins."""
+    assert load_run_config(["seed=1", "seed=2"]).seed == 2
+
+
+# ---------------------------------------------------------------- the task
+
+
+def test_load_task_addition_and_import_path_build_the_same_task() -> None:
+    """'addition' and its import path give equal tasks, with task.kwargs passed to the constructor."""
+    short = load_run_config(["task.kwargs.max_new_tokens=3"]).task
+    long = load_run_config(["task.name=core.addition:AdditionTask", "task.kwargs.max_new_tokens=3"]).task
+    assert short.instance == long.instance == short.build() == load_task("addition", {"max_new_tokens": 3})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "words"),
+    [
+        (["task.name=no_such_module:Task"], "task.name", "cannot import"),
+        (["task.name=core.addition:NoSuchClass"], "task.name", "cannot import"),
+        (["task.name=core.addition"], "task.name", "package.module:Class"),
+        (["task.name=core.frozen:FrozenDict"], "task.name", "does not implement core.task.Task"),
+        (["task.name=tests.property.task_plugins:NotATask"], "task.name", "does not implement"),
+        (["task.name=tests.property.task_import_raises:Task"], "task.name", "RuntimeError: this module needs a GPU"),
+        (["task.kwargs.max_operand=12"], "task.kwargs", "rejected"),
+        (["task.kwargs.no_such_arg=1"], "task.kwargs", "rejected"),
+        (["task.name=tests.property.task_plugins:ConstructorRaises"], "task.kwargs", "RuntimeError: the dataset"),
+        (["task.name=tests.property.task_plugins:TooFewRewards"], "task.name",
+         "'TooFewRewards.rewards' must return one reward per response (2): got 1"),
+        (["task.name=tests.property.task_plugins:PromptsRaise"], "task.name", "KeyError"),
+    ],
+)
+def test_load_run_config_rejects_bad_tasks_naming_the_key(overrides: list[str], key: str, words: str) -> None:
+    """An unimportable or raising module, a class that is not a Task, a constructor that raises (anything),
+    or a task whose methods fail or return too few rewards is a ConfigError naming the key."""
+    with _raises_naming(key) as info:
+        load_run_config(overrides)
+    assert info.value.key == key
+    assert words in str(info.value)
+
+
+def test_checked_rewards_names_the_task_when_too_few_come_back() -> None:
+    """The rollout's check: a task returning fewer rewards than responses is named, with both counts."""
+    task = load_task("tests.property.task_plugins:TooFewRewards", {})
+    prompts = task.prompts(0, 1, 4)
+    with pytest.raises(ValueError, match=r"^'TooFewRewards.rewards' must return one reward per response \(4\): got 1$"):
+        checked_rewards(task, prompts, [(2,)] * 4)
+    assert len(checked_rewards(load_task("addition", {}), prompts, [(2,)] * 4)) == 4
+
+
+def test_load_run_config_rejects_a_context_too_short_for_the_task() -> None:
+    """Prompt plus max_new_tokens longer than max_sequence_length is a ConfigError naming that key, with the sum."""
+    with pytest.raises(ConfigError, match=r"policy.model.max_sequence_length.*longest prompt \d+ \+ max_new_tokens 4 = \d+"):
+        load_run_config(["policy.model.max_sequence_length=6", "task.kwargs.max_new_tokens=4"])
+
+
+def test_load_run_config_micro_batch_tokens_must_hold_the_longest_row() -> None:
+    """``policy.micro_batch_tokens`` below the longest row (longest prompt + max_new_tokens) is rejected, at it is accepted."""
+    task = load_task("addition", {})
+    shape = probe_task(task, task, seed=0, name="addition")
+    longest = shape.longest_row
+    assert load_run_config([f"policy.micro_batch_tokens={longest}"]).policy.micro_batch_tokens == longest
+    assert load_run_config(["policy.micro_batch_tokens=0"]).policy.micro_batch_tokens == 0
+    for tokens in (1, longest - 1):
+        with _raises_naming("policy.micro_batch_tokens") as info:
+            load_run_config([f"policy.micro_batch_tokens={tokens}"])
+        assert f"({shape.arithmetic()} tokens)" in str(info.value) and str(info.value).endswith(f"got {tokens}")
+
+
+# ---------------------------------------------------------------- CPUs of the embedded cluster
+
+
+@pytest.mark.parametrize(
+    ("overrides", "arithmetic"),
+    [
+        (["ray.num_cpus=1"], "1 policy rank x 0.25 + 1 rollout engine x 0.25 + 3 for TransferQueue = 3.5"),
+        (["policy.num_cpus_per_worker=7"], "1 policy rank x 7 + 1 rollout engine x 7 + 3 for TransferQueue = 17"),
+        (["policy.layout.data_parallel=4", "ray.num_cpus=4"], "4 policy ranks x 0.25 + 1 rollout engine x 0.25 + 3 for TransferQueue = 4.25"),
+    ],
+)
+def test_load_run_config_rejects_actors_that_never_fit_the_embedded_cluster(overrides: list[str], arithmetic: str) -> None:
+    """CPUs the run's actors need beyond ``ray.num_cpus`` is a ConfigError with the arithmetic (they would hang)."""
+    with _raises_naming("ray.num_cpus") as info:
+        load_run_config(overrides)
+    assert arithmetic in str(info.value) and "policy.num_cpus_per_worker" in str(info.value)
+
+
+def test_load_run_config_cpu_check_applies_only_to_an_embedded_cluster() -> None:
+    """Joining a cluster (ray.address set) or the legacy path (no TransferQueue) needs fewer or unknown CPUs."""
+    assert load_run_config(["ray.num_cpus=1", "ray.address=auto"]).ray.num_cpus == 1
+    assert load_run_config(["ray.num_cpus=1", "data_plane.enabled=false", "policy.num_cpus_per_worker=0.5"])
+    assert load_run_config(["ray.num_cpus=1", "data_plane.backend=memory", "policy.num_cpus_per_worker=0.5"])
+
+
+@given(st.integers(1, 4), st.sampled_from([0.25, 0.5, 1.0, 2.0]), st.integers(1, 12), st.booleans())
+def test_load_run_config_accepts_exactly_the_layouts_that_fit(dp: int, each: float, cpus: int, plane: bool) -> None:
+    """A config loads iff ``cluster_cpus`` (ranks x each + rollout x each + TransferQueue) <= ray.num_cpus."""
+    overrides = [f"policy.layout.data_parallel={dp}", f"policy.num_cpus_per_worker={each}", f"ray.num_cpus={cpus}",
+                 f"data_plane.enabled={str(plane).lower()}", "policy.train_global_batch_size=null"]
+    needed = dp * each + each + (TRANSFER_QUEUE_CPUS if plane else 0)
+    if needed <= cpus:
+        assert cluster_cpus(load_run_config(overrides))[0] == needed
+    else:
+        with _raises_naming("ray.num_cpus"):
+            load_run_config(overrides)
+
+
+def test_transfer_queue_cpus_match_its_actors() -> None:
+    """TRANSFER_QUEUE_CPUS is TransferQueue's controller plus its default storage units, at their declared CPUs."""
+    from transfer_queue.controller import TransferQueueController
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+
+    from adapters.tq_system import resolve_config
+
+    units = resolve_config().backend.SimpleStorage.num_data_storage_units
+    controller = TransferQueueController._default_options["num_cpus"]
+    unit = SimpleStorageUnit._default_options["num_cpus"]
+    assert TRANSFER_QUEUE_CPUS == controller + units * unit
+
+
+def test_run_config_cannot_be_built_invalid_by_evolve(defaults: RunConfig) -> None:
+    """``attrs.evolve`` re-runs the checks: a copy with a bad value raises like the loader."""
+    with _raises_naming("grpo.temperature"):
+        attrs.evolve(defaults.grpo, temperature=math.inf)
+    with _raises_naming("policy.layout.tensor_parallel"):
+        attrs.evolve(defaults.policy, layout=attrs.evolve(defaults.policy.layout, tensor_parallel=3))

@@ -1,11 +1,9 @@
-"""Laws and error paths of ``shell.phases`` and ``shell.run_log``: phase timing, the metrics file, its plot, progress."""
+"""Laws and error paths of ``shell.phases`` and ``shell.run_log``: phase timing, record keys and the metrics file."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
-import struct
 import tempfile
 import time
 from collections.abc import Iterator
@@ -16,21 +14,20 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
-from rich.console import Console
+from hypothesis import strategies as st
 
 from shell.phases import PhaseTimer
 from shell.run_log import (
     MetricsLog,
-    RunProgress,
+    keep_steps_through,
     phase_fields,
     phase_keys,
     phase_name,
-    plot_run,
     read_metrics,
+    record_number,
+    record_step,
 )
 from tests.property.strategies import keys, reward_values
-
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 class FakeClock:
@@ -43,29 +40,6 @@ class FakeClock:
     def __call__(self) -> float:
         self.now += next(self._ticks)
         return self.now
-
-
-def _records(n: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "step": step,
-            "reward_mean": step / (n + 1),
-            "loss": -0.001 * step,
-            **phase_fields({"rollout": 1.0 + step % 3, "train": 0.5}),
-            "step_time_s": 4.0,
-        }
-        for step in range(1, n + 1)
-    ]
-
-
-def _plain_console() -> Console:
-    return Console(file=io.StringIO(), force_terminal=False, width=200)
-
-
-def _output(console: Console) -> str:
-    file = console.file
-    assert isinstance(file, io.StringIO)
-    return file.getvalue()
 
 
 # ---------------------------------------------------------------- PhaseTimer
@@ -193,6 +167,28 @@ def test_phase_name_rejects_non_phase_key() -> None:
         phase_name("step_time_s")
 
 
+def test_record_step_and_record_number_read_one_field() -> None:
+    """record_step gives the int step; record_number gives a float, NaN for a missing or null value."""
+    record = {"step": np.int64(3), "loss": np.float32(0.5), "kl": torch.tensor(2.0), "reward_mean": None}
+    assert record_step(record, "record") == 3 and type(record_step(record, "record")) is int
+    assert record_number(record, "loss", "record") == 0.5
+    assert record_number(record, "kl", "record") == 2.0
+    assert math.isnan(record_number(record, "reward_mean", "record"))
+    assert math.isnan(record_number(record, "absent", "record"))
+
+
+def test_record_step_and_record_number_reject_bad_fields() -> None:
+    """A missing, non-int or negative step, or a non-number field, raises naming the record."""
+    with pytest.raises(ValueError, match=r"'records\[2\]' must have an int 'step': got keys \['loss'\]"):
+        record_step({"loss": 1.0}, "records[2]")
+    with pytest.raises(TypeError, match="'step' in 'record' must be an int: got bool True"):
+        record_step({"step": True}, "record")
+    with pytest.raises(ValueError, match="'step' in 'record' must be >= 0: got -1"):
+        record_step({"step": -1}, "record")
+    with pytest.raises(TypeError, match=r"'record\['loss'\]' must be a number: got str"):
+        record_number({"loss": "low"}, "loss", "record")
+
+
 # ---------------------------------------------------------------- MetricsLog and read_metrics
 
 
@@ -286,6 +282,34 @@ def test_metrics_log_drop_after_rejects_non_int(tmp_path: Path) -> None:
         MetricsLog(tmp_path / "metrics.jsonl", drop_after=3.0)  # type: ignore[arg-type]
 
 
+@given(st.lists(st.integers(0, 9), max_size=12), st.integers(-1, 10))
+def test_keep_steps_through_keeps_exactly_the_records_up_to_the_step(steps: list[int], last: int) -> None:
+    """The file keeps, in order, exactly its records with step <= last (repeated steps too: samples.jsonl)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "samples.jsonl"
+        path.write_text("".join(json.dumps({"step": s, "i": i}) + "\n" for i, s in enumerate(steps)))
+        dropped = keep_steps_through(path, last)
+        kept = [{"step": s, "i": i} for i, s in enumerate(steps) if s <= last]
+        assert read_metrics(path) == kept and dropped == len(steps) - len(kept)
+
+
+def test_keep_steps_through_leaves_a_missing_file_missing(tmp_path: Path) -> None:
+    """No file: nothing is created and nothing dropped."""
+    assert keep_steps_through(tmp_path / "absent.jsonl", 3) == 0
+    assert not (tmp_path / "absent.jsonl").exists()
+
+
+def test_keep_steps_through_rejects_bad_input(tmp_path: Path) -> None:
+    """A non-int step, or a file line without an int step, is an error naming it (the file is unchanged)."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"loss": 2}\n')
+    with pytest.raises(TypeError, match="'last_step' must be an int step: got float"):
+        keep_steps_through(path, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must have an int 'step'"):
+        keep_steps_through(path, 0)
+    assert path.read_text() == '{"step": 1}\n{"loss": 2}\n'
+
+
 def test_metrics_log_creates_parent_folders_and_appends_on_new_line(tmp_path: Path) -> None:
     """Parent folders are created; a file without a final newline gets one before the next record."""
     path = tmp_path / "runs" / "demo" / "metrics.jsonl"
@@ -337,15 +361,22 @@ def test_metrics_log_rejects_write_after_close(tmp_path: Path) -> None:
         log.write({"step": 1})
 
 
-def test_metrics_log_rejects_corrupt_existing_file(tmp_path: Path) -> None:
-    """Reopening a file with a bad line, or a record without a step, fails before appending."""
+@pytest.mark.parametrize(
+    ("reader", "text", "match"),
+    [
+        (MetricsLog, '{"step": 1}\n{"step": 2, "loss"\n', "line 2 must be one JSON object"),
+        (MetricsLog, '{"step": 1}\n{"loss": 0.5}\n', "record 1' must have an int 'step'"),
+        (read_metrics, '{"step": 1}\n{"step": 2\n', "line 2 must be one JSON object"),
+        (read_metrics, '{"step": 1}\n[1, 2]\n', "line 2 must be one JSON object: got list"),
+    ],
+    ids=["log-bad-json", "log-no-step", "read-bad-json", "read-not-an-object"],
+)
+def test_metrics_readers_name_the_bad_line(tmp_path: Path, reader: Any, text: str, match: str) -> None:
+    """Reopening (MetricsLog) or reading (read_metrics) a file with a bad line fails naming it, before appending."""
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1}\n{"step": 2, "loss"\n')
-    with pytest.raises(ValueError, match="line 2 must be one JSON object"):
-        MetricsLog(path)
-    path.write_text('{"step": 1}\n{"loss": 0.5}\n')
-    with pytest.raises(ValueError, match="record 1' must have an int 'step'"):
-        MetricsLog(path)
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        reader(path)
 
 
 def test_read_metrics_skips_blank_lines(tmp_path: Path) -> None:
@@ -355,131 +386,3 @@ def test_read_metrics_skips_blank_lines(tmp_path: Path) -> None:
     assert read_metrics(path) == [{"step": 1}, {"step": 2, "loss": None}]
 
 
-def test_read_metrics_names_the_bad_line(tmp_path: Path) -> None:
-    """A line that is not one JSON object raises naming its 1-based line number."""
-    path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1}\n{"step": 2\n')
-    with pytest.raises(ValueError, match="line 2 must be one JSON object"):
-        read_metrics(path)
-    path.write_text('{"step": 1}\n[1, 2]\n')
-    with pytest.raises(ValueError, match="line 2 must be one JSON object: got list"):
-        read_metrics(path)
-
-
-# ---------------------------------------------------------------- plot_run
-
-
-def test_plot_run_writes_a_png(tmp_path: Path) -> None:
-    """The plot is a PNG of 900 x 600 pixels (9 x 6 inches at 100 dpi) with real content."""
-    path = plot_run(_records(30), tmp_path / "plots" / "run.png", title="gsm8k-demo")
-    data = path.read_bytes()
-    assert path == tmp_path / "plots" / "run.png"
-    assert data[:8] == PNG_SIGNATURE
-    assert struct.unpack(">II", data[16:24]) == (900, 600)
-    assert len(data) > 10_000
-
-
-def test_plot_run_draws_gaps_and_records_without_phases(tmp_path: Path) -> None:
-    """Null rewards, a single record, or records without phase keys still give a PNG."""
-    records = [{"step": 3, "reward_mean": None}, {"step": 1, "reward_mean": 0.5}, {"step": 7, "reward_mean": 1.5, "step_time_s": 2.0}]
-    assert plot_run(records, tmp_path / "gaps.png").read_bytes()[:8] == PNG_SIGNATURE
-    assert plot_run([{"step": 0, "reward_mean": -0.5}], tmp_path / "one.png").read_bytes()[:8] == PNG_SIGNATURE
-
-
-def test_plot_run_rejects_empty_records(tmp_path: Path) -> None:
-    """An empty run has nothing to plot and writes no file."""
-    with pytest.raises(ValueError, match="'records' must hold at least one record to plot: got 0"):
-        plot_run([], tmp_path / "run.png")
-    assert not (tmp_path / "run.png").exists()
-
-
-def test_plot_run_rejects_records_without_step_or_reward(tmp_path: Path) -> None:
-    """Every record needs step and reward_mean; the message names the record."""
-    with pytest.raises(ValueError, match=r"'records\[1\]' must have a 'reward_mean' key"):
-        plot_run([{"step": 1, "reward_mean": 0.5}, {"step": 2}], tmp_path / "run.png")
-    with pytest.raises(ValueError, match=r"'records\[0\]' must have a 'step' key"):
-        plot_run([{"reward_mean": 0.5}], tmp_path / "run.png")
-    with pytest.raises(TypeError, match=r"'records\[0\]\['reward_mean'\]' must be a number: got str"):
-        plot_run([{"step": 1, "reward_mean": "high"}], tmp_path / "run.png")
-    with pytest.raises(ValueError, match="'window' must be >= 1 step: got 0"):
-        plot_run(_records(3), tmp_path / "run.png", window=0)
-    with pytest.raises(TypeError, match="'window' must be an int number of steps: got float"):
-        plot_run(_records(3), tmp_path / "run.png", window=2.5)  # type: ignore[arg-type]
-
-
-# ---------------------------------------------------------------- RunProgress
-
-
-def test_run_progress_plain_prints_one_line_per_step() -> None:
-    """Plain mode prints exactly one line per advance, with the step count, reward, loss and step time."""
-    console = _plain_console()
-    records = [
-        {"step": 1, "reward_mean": 0.4124, "loss": -0.0012, "step_time_s": 1.234},
-        {"step": 2, "reward_mean": 0.5},
-        {"step": 3, "reward_mean": None, "step_time_s": 2.0},
-    ]
-    with RunProgress(total=60, console=console) as progress:
-        assert progress.mode == "plain"
-        for record in records:
-            progress.advance(record)
-    lines = _output(console).splitlines()
-    assert len(lines) == 3
-    assert lines[0].startswith("step 1/60 reward 0.412 loss -0.0012 step 1.23s elapsed ")
-    assert lines[1].startswith("step 2/60 reward 0.500 elapsed ")
-    assert lines[2].startswith("step 3/60 step 2.00s elapsed ")
-    assert all(" eta " in line for line in lines)
-    assert progress.completed == 3
-
-
-def test_run_progress_counts_from_start_on_resume() -> None:
-    """With start=k the first advance shows step k+1."""
-    console = _plain_console()
-    progress = RunProgress(total=10, start=4, console=console)
-    progress.advance({"step": 5, "reward_mean": torch.tensor(0.25)})
-    assert _output(console).startswith("step 5/10 reward 0.250 ")
-
-
-def test_run_progress_picks_live_bar_only_on_terminal() -> None:
-    """The default is a live bar on a terminal and plain lines elsewhere; enabled=False or plain=True force plain."""
-    terminal = Console(file=io.StringIO(), force_terminal=True, width=200)
-    assert RunProgress(5, console=terminal).mode == "live"
-    assert RunProgress(5, console=terminal, enabled=False).mode == "plain"
-    assert RunProgress(5, console=terminal, plain=True).mode == "plain"
-    assert RunProgress(5, console=_plain_console()).mode == "plain"
-    assert RunProgress(5, console=_plain_console(), plain=False).mode == "live"
-
-
-def test_run_progress_live_bar_shows_last_record() -> None:
-    """The live bar's final render shows the step count, the last reward and step time."""
-    console = Console(file=io.StringIO(), force_terminal=True, width=200)
-    with RunProgress(total=2, console=console) as progress:
-        progress.advance({"step": 1, "reward_mean": 0.1, "step_time_s": 3.0})
-        progress.advance({"step": 2, "reward_mean": 0.4124, "step_time_s": 1.234})
-    output = _output(console)
-    assert "step 2/2" in output and "reward 0.412" in output and "1.23 s/step" in output
-
-
-def test_run_progress_rejects_advance_past_total() -> None:
-    """Advancing more than total steps raises."""
-    progress = RunProgress(total=1, console=_plain_console())
-    progress.advance({"step": 1})
-    with pytest.raises(ValueError, match="'advance' called for step 2: expected at most 'total'=1 steps"):
-        progress.advance({"step": 2})
-
-
-def test_run_progress_rejects_bad_arguments() -> None:
-    """total must be an int >= 1, start in [0, total], records mappings with numeric fields."""
-    with pytest.raises(ValueError, match="'total' must be >= 1 step: got 0"):
-        RunProgress(total=0)
-    with pytest.raises(ValueError, match=r"'start' must be in \[0, total=5\]: got 6"):
-        RunProgress(total=5, start=6)
-    with pytest.raises(TypeError, match="'total' must be an int: got float"):
-        RunProgress(total=5.0)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="'console' must be a rich.console.Console"):
-        RunProgress(total=5, console=io.StringIO())  # type: ignore[arg-type]
-    progress = RunProgress(total=5, console=_plain_console())
-    with pytest.raises(TypeError, match="'record' must be a mapping"):
-        progress.advance(0.5)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"'record\['reward_mean'\]' must be a number: got str"):
-        progress.advance({"step": 1, "reward_mean": "good"})
-    assert progress.completed == 0

@@ -1,13 +1,14 @@
 """Laws of length-balanced DP sharding (``core/sharding.py``).
 
-Partition and inverse laws for every mode, uniform micro-batch counts and
-capacity under packing / dynamic batching, balance bounds against plain
-reference algorithms, and the error paths.
+Partition and inverse laws for every mode; micro-batch spans stamped on every
+shard (tiling, one entry per global batch, uniform counts); capacity under
+packing / dynamic batching; balance against ``balanced_partition`` and
+``pack_sequences`` as references; ``global_pad_length``,
+``shard_row_indices``, and the error paths.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 
 import numpy as np
@@ -25,193 +26,21 @@ from core.sharding import (
     shard_meta_for_dp,
     shard_row_indices,
 )
-from tests.property.strategies import (
-    equal_partition_cases,
-    free_partition_cases,
-    micro_batching_cases,
-    sharding_cases,
-)
+from tests.property.references import micro_batch_tokens, padded_length
+from tests.property.strategies import lognormal_lengths, micro_batching_cases, sharding_cases
 
 MICRO = settings(max_examples=40)  # each example shards a whole meta; keeps the file fast
+EVERY_MODE = st.one_of(sharding_cases(with_lengths=None).map(lambda c: (*c, None)), micro_batching_cases())
+"""``(meta, dp_world, batch_size, spec)``: plain (spec None, lengths or not), packing or dynamic batching."""
 
 
-# ---------------------------------------------------------------- plain references
-
-
-def _stride_reference(weights: list[int], parts: int) -> list[list[int]]:
-    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
-    return [order[r::parts] for r in range(parts)]
-
-
-def _lpt_reference(weights: list[int], parts: int, *, equal_size: bool) -> list[list[int]]:
-    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
-    groups: list[list[int]] = [[] for _ in range(parts)]
-    loads = [0] * parts
-    if equal_size:
-        for start in range(0, len(order), parts):
-            lightest = sorted(range(parts), key=lambda p: (loads[p], p))
-            for item, p in zip(order[start : start + parts], lightest):
-                groups[p].append(item)
-                loads[p] += weights[item]
-        return groups
-    heap = [(0, p) for p in range(parts)]
-    for item in order:
-        load, p = heapq.heappop(heap)
-        groups[p].append(item)
-        heapq.heappush(heap, (load + weights[item], p))
-    return groups
-
-
-def _max_sum(weights: list[int], groups: list[list[int]] | tuple[tuple[int, ...], ...]) -> int:
-    return max((sum(weights[i] for i in g) for g in groups), default=0)
-
-
-def _lognormal(n: int, seed: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return np.clip(np.rint(rng.lognormal(np.log(700), 1.0, n)), 16, 8192).astype(int).tolist()
-
-
-def _padded(length: int, spec: PackingSpec | DynamicBatchingSpec) -> int:
-    step = spec.sequence_length_pad_multiple if isinstance(spec, PackingSpec) else spec.sequence_length_round
-    return -(-length // step) * step
-
-
-def _micro_batch_tokens(lengths: list[int], spec: PackingSpec | DynamicBatchingSpec) -> int:
-    """A micro-batch's padded tokens, computed with a plain loop."""
-    if isinstance(spec, PackingSpec):
-        return sum(_padded(x, spec) for x in lengths)
-    return len(lengths) * max(_padded(x, spec) for x in lengths)
+def _global_batch_size_and_positions(meta: KVBatchMeta, batch_size: int | None) -> tuple[int, dict[str, int]]:
+    """Rows per global batch, and each key's position in meta."""
+    return batch_size or len(meta), {k: i for i, k in enumerate(meta.keys)}
 
 
 def _concat_keys(shards: tuple[KVBatchMeta, ...]) -> list[str]:
     return [k for s in shards for k in s.keys]
-
-
-# ---------------------------------------------------------------- balanced_partition
-
-
-@given(equal_partition_cases())
-def test_balanced_partition_equal_size_is_a_partition_into_equal_parts(case: tuple[list[float], int]) -> None:
-    """Equal-size mode: every index exactly once, every part of len(weights) // parts items."""
-    weights, parts = case
-    result = balanced_partition(weights, parts)
-    assert len(result) == parts
-    assert sorted(i for part in result for i in part) == list(range(len(weights)))
-    assert {len(part) for part in result} <= {len(weights) // parts}
-
-
-@given(free_partition_cases())
-def test_balanced_partition_free_size_is_a_partition(case: tuple[list[float], int]) -> None:
-    """Non-equal mode: ``parts`` parts holding every index exactly once."""
-    weights, parts = case
-    result = balanced_partition(weights, parts, equal_size=False)
-    assert len(result) == parts
-    assert sorted(i for part in result for i in part) == list(range(len(weights)))
-
-
-@given(free_partition_cases())
-def test_balanced_partition_parts_ascend_and_are_ordered_by_first_index(case: tuple[list[float], int]) -> None:
-    """Indices ascend inside a part; non-empty parts are ordered by first index, empty parts last."""
-    weights, parts = case
-    result = balanced_partition(weights, parts, equal_size=False)
-    assert all(list(part) == sorted(part) for part in result)
-    firsts = [part[0] for part in result if part]
-    assert firsts == sorted(firsts)
-    assert all(not part for part in result[len(firsts) :])
-
-
-@given(equal_partition_cases(integral=True))
-def test_balanced_partition_equal_size_never_worse_than_stride_or_lpt(case: tuple[list[int], int]) -> None:
-    """Equal size: the largest part sum is at most sort-then-stride's and equal-size LPT's."""
-    weights, parts = case
-    ours = _max_sum(weights, balanced_partition(weights, parts))
-    assert ours <= _max_sum(weights, _stride_reference(weights, parts))
-    assert ours <= _max_sum(weights, _lpt_reference(weights, parts, equal_size=True))
-
-
-@given(free_partition_cases(integral=True))
-def test_balanced_partition_free_size_never_worse_than_lpt(case: tuple[list[int], int]) -> None:
-    """Non-equal size: the largest part sum is at most plain LPT's, and never below the lower bound."""
-    weights, parts = case
-    ours = _max_sum(weights, balanced_partition(weights, parts, equal_size=False))
-    assert ours <= _max_sum(weights, _lpt_reference(weights, parts, equal_size=False))
-    assert ours >= max(max(weights, default=0), math.ceil(sum(weights) / parts))
-
-
-@given(free_partition_cases())
-def test_balanced_partition_is_deterministic(case: tuple[list[float], int]) -> None:
-    """Equal inputs give equal partitions (list, tuple and numpy inputs alike)."""
-    weights, parts = case
-    first = balanced_partition(weights, parts, equal_size=False)
-    assert balanced_partition(tuple(weights), parts, equal_size=False) == first
-    assert balanced_partition(np.asarray(weights), parts, equal_size=False) == first
-
-
-def test_balanced_partition_meets_the_balance_target_on_lognormal_lengths() -> None:
-    """N=512, 32 parts, seeds 0..19: mean over seeds of max/mean part sum is <= 1.001."""
-    ratios = []
-    for seed in range(20):
-        weights = _lognormal(512, seed)
-        ratios.append(_max_sum(weights, balanced_partition(weights, 32)) / (sum(weights) / 32))
-    assert sum(ratios) / len(ratios) <= 1.001
-
-
-def test_balanced_partition_rejects_an_uneven_equal_size_split() -> None:
-    """Equal size needs len(weights) % parts == 0; the message shows the non-equal call."""
-    with pytest.raises(ValueError, match=r"got 5 weights and parts=2.*equal_size=False"):
-        balanced_partition([1, 2, 3, 4, 5], 2)
-
-
-def test_balanced_partition_rejects_bad_parts() -> None:
-    """``parts`` must be an int >= 1."""
-    with pytest.raises(ValueError, match="'parts' must be >= 1: got 0"):
-        balanced_partition([], 0)
-    with pytest.raises(TypeError, match="'parts' must be an int: got float"):
-        balanced_partition([1.0], 1.0)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("weights", "error", "pattern"),
-    [
-        ([1, -2], ValueError, r"'weights' entries must be >= 0: got -2 at index 1"),
-        ([1.0, float("nan")], ValueError, r"'weights' entries must be finite: got nan at index 1"),
-        ([1, True], TypeError, r"'weights' entries must be int or float: got bool at index 1"),
-        ([1, "2"], TypeError, r"'weights' entries must be int or float: got str at index 1"),
-        ("12", TypeError, r"'weights' must be a sequence of numbers: got str"),
-        (np.ones((2, 2)), ValueError, r"'weights' must be 1-dimensional"),
-    ],
-)
-def test_balanced_partition_rejects_bad_weights(weights: object, error: type[Exception], pattern: str) -> None:
-    """Weights must be a 1-d sequence of finite, non-negative numbers."""
-    with pytest.raises(error, match=pattern):
-        balanced_partition(weights, 1, equal_size=False)  # type: ignore[arg-type]
-
-
-# ---------------------------------------------------------------- specs
-
-
-def test_specs_have_documented_defaults() -> None:
-    """A spec built with only the capacity uses BFD and no padding."""
-    assert PackingSpec(8192) == PackingSpec(8192, "best_fit_decreasing", 1)
-    assert DynamicBatchingSpec(4096).sequence_length_round == 1
-
-
-@pytest.mark.parametrize(
-    ("build", "error", "pattern"),
-    [
-        (lambda: PackingSpec(0), ValueError, "'max_tokens_per_microbatch' must be >= 1: got 0"),
-        (lambda: PackingSpec(8, sequence_length_pad_multiple=0), ValueError, "'sequence_length_pad_multiple' must be >= 1"),
-        (lambda: PackingSpec(8, algorithm="best_fit"), ValueError, r"'algorithm' must be one of .*got 'best_fit'"),
-        (lambda: PackingSpec(8, algorithm=1), TypeError, "'algorithm' must be a str"),
-        (lambda: PackingSpec(8.0), TypeError, "'max_tokens_per_microbatch' must be an int: got float"),
-        (lambda: DynamicBatchingSpec(-1), ValueError, "'max_tokens_per_microbatch' must be >= 1: got -1"),
-        (lambda: DynamicBatchingSpec(8, sequence_length_round=True), TypeError, "'sequence_length_round' must be an int: got bool"),
-    ],
-)
-def test_specs_reject_invalid_fields(build: object, error: type[Exception], pattern: str) -> None:
-    """Spec fields are validated on construction."""
-    with pytest.raises(error, match=pattern):
-        build()  # type: ignore[operator]
 
 
 # ---------------------------------------------------------------- shard_meta_for_dp: every mode
@@ -263,8 +92,7 @@ def test_shard_meta_for_dp_keeps_global_batches_in_order(case: tuple) -> None:
     """A shard holds global batch 0's rows, then global batch 1's, and so on."""
     meta, dp, batch_size, spec = case
     shards, _ = _shard(meta, dp, batch_size, spec)
-    size = batch_size or len(meta)
-    source = {k: i for i, k in enumerate(meta.keys)}
+    size, source = _global_batch_size_and_positions(meta, batch_size)
     for shard in shards:
         batch_of_row = [source[k] // size for k in shard.keys]
         assert batch_of_row == sorted(batch_of_row)
@@ -278,9 +106,8 @@ def test_shard_meta_for_dp_keeps_global_batches_in_order(case: tuple) -> None:
 def test_shard_meta_for_dp_gives_each_rank_an_equal_share_of_each_global_batch(case: tuple) -> None:
     """Without packing, every rank gets batch_size // dp_world rows of every global batch."""
     meta, dp, batch_size = case
-    shards, _ = shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size)
-    size = batch_size or len(meta)
-    source = {k: i for i, k in enumerate(meta.keys)}
+    shards, _ = _shard(meta, dp, batch_size, None)
+    size, source = _global_batch_size_and_positions(meta, batch_size)
     for shard in shards:
         counts = np.bincount([source[k] // size for k in shard.keys], minlength=len(meta) // size)
         assert set(counts.tolist()) == {size // dp}
@@ -292,8 +119,7 @@ def test_shard_meta_for_dp_balances_each_global_batch_like_balanced_partition(ca
     """Sharding then summing equals balanced_partition of each global batch (the reference)."""
     meta, dp, batch_size = case
     shards, _ = shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size)
-    size = batch_size or len(meta)
-    source = {k: i for i, k in enumerate(meta.keys)}
+    size, source = _global_batch_size_and_positions(meta, batch_size)
     lengths = list(meta.sequence_lengths)
     for start in range(0, len(meta), size):
         reference = balanced_partition(lengths[start : start + size], dp)
@@ -317,12 +143,31 @@ def test_shard_meta_for_dp_splits_contiguously_without_lengths(case: tuple) -> N
         assert unsorted == tuple(range(len(meta)))
 
 
+@given(sharding_cases(with_lengths=False))
+@MICRO
+def test_shard_meta_for_dp_unsorted_is_the_identity_only_for_one_global_batch_or_one_rank(case: tuple) -> None:
+    """Without lengths, unsorted is the identity exactly when there is one global batch or one rank."""
+    meta, dp, batch_size = case
+    _, unsorted = shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size)
+    one_batch = batch_size is None or batch_size == len(meta)
+    assert (unsorted == tuple(range(len(meta)))) == (one_batch or dp == 1)
+
+
+def test_shard_meta_for_dp_unsorted_interleaves_global_batches_without_lengths() -> None:
+    """The documented example: 4 rows, 2 ranks, 2 global batches give rank 0 rows a, c and unsorted (0, 2, 1, 3)."""
+    shards, unsorted = shard_meta_for_dp(KVBatchMeta("p", list("abcd")), dp_world=2, batch_size=2)
+    assert [s.keys for s in shards] == [("a", "c"), ("b", "d")]
+    assert unsorted == (0, 2, 1, 3)
+    assert [s.extra_info["micro_batch_indices"] for s in shards] == [(((0, 1),), ((1, 2),))] * 2
+
+
 def test_shard_meta_for_dp_of_an_empty_meta_gives_empty_shards() -> None:
     """An empty meta has no global batches: every rank gets an empty shard, even with packing."""
     meta = KVBatchMeta("p", [], sequence_lengths=[])
     for spec in (None, PackingSpec(8)):
         shards, unsorted = shard_meta_for_dp(meta, dp_world=3, packing=spec)
         assert [len(s) for s in shards] == [0, 0, 0]
+        assert [s.extra_info["micro_batch_indices"] for s in shards] == [(), (), ()]
         assert unsorted == ()
 
 
@@ -337,10 +182,11 @@ def _shard(meta: KVBatchMeta, dp: int, batch_size: int | None, spec: object) -> 
     return shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size)
 
 
-@given(micro_batching_cases())
+@given(EVERY_MODE)
 @MICRO
 def test_shard_meta_for_dp_gives_every_rank_the_same_micro_batch_count(case: tuple) -> None:
-    """In each global batch every rank has the same (non-zero) number of micro-batches."""
+    """In every mode: one micro_batch_indices entry per global batch on every rank, and in each global batch
+    every rank has the same (non-zero) number of micro-batches."""
     meta, dp, batch_size, spec = case
     shards, _ = _shard(meta, dp, batch_size, spec)
     batches = len(meta) // (batch_size or len(meta))
@@ -351,19 +197,37 @@ def test_shard_meta_for_dp_gives_every_rank_the_same_micro_batch_count(case: tup
         assert per_rank[0][g] >= 1
 
 
-@given(micro_batching_cases())
+@given(EVERY_MODE)
 @MICRO
 def test_shard_meta_for_dp_micro_batches_tile_the_shard_rows(case: tuple) -> None:
-    """micro_batch_indices are non-empty, contiguous, in order, and cover the shard's rows exactly."""
+    """In every mode, micro_batch_indices are non-empty, contiguous, in order, and cover the shard's rows exactly;
+    global batch g's spans cover exactly the shard's rows from global batch g."""
     meta, dp, batch_size, spec = case
     shards, _ = _shard(meta, dp, batch_size, spec)
+    size, source = _global_batch_size_and_positions(meta, batch_size)
     for shard in shards:
-        spans = [span for batch in shard.extra_info["micro_batch_indices"] for span in batch]
         position = 0
-        for start, end in spans:
-            assert start == position and end > start
-            position = end
+        for g, batch in enumerate(shard.extra_info["micro_batch_indices"]):
+            first = position
+            for start, end in batch:
+                assert start == position and end > start
+                position = end
+            assert {source[k] // size for k in shard.keys[first:position]} == {g}
         assert position == len(shard)
+
+
+@given(sharding_cases(with_lengths=None))
+@MICRO
+def test_shard_meta_for_dp_without_micro_batching_stamps_one_span_per_global_batch(case: tuple) -> None:
+    """Without packing or dynamic batching each global batch is one micro-batch per rank (its whole share),
+    and no micro_batch_lengths are stamped."""
+    meta, dp, batch_size = case
+    shards, _ = shard_meta_for_dp(meta, dp_world=dp, batch_size=batch_size)
+    share = (batch_size or len(meta)) // dp
+    batches = len(meta) // (batch_size or len(meta))
+    for shard in shards:
+        assert shard.extra_info["micro_batch_indices"] == tuple(((g * share, (g + 1) * share),) for g in range(batches))
+        assert "micro_batch_lengths" not in shard.extra_info
 
 
 @given(micro_batching_cases())
@@ -378,7 +242,7 @@ def test_shard_meta_for_dp_micro_batches_respect_capacity_and_report_their_token
         assert [len(g) for g in spans] == [len(g) for g in tokens]
         for batch_spans, batch_tokens in zip(spans, tokens):
             for (start, end), count in zip(batch_spans, batch_tokens):
-                assert count == _micro_batch_tokens(list(shard.sequence_lengths[start:end]), spec)
+                assert count == micro_batch_tokens(list(shard.sequence_lengths[start:end]), spec)
                 assert count <= spec.max_tokens_per_microbatch
 
 
@@ -389,7 +253,7 @@ def test_shard_meta_for_dp_packing_is_never_worse_than_packing_alone(case: tuple
     meta, dp, batch_size, spec = case
     shards, _ = _shard(meta, dp, batch_size, spec)
     size = batch_size or len(meta)
-    padded = [_padded(x, spec) for x in meta.sequence_lengths]
+    padded = [padded_length(x, spec) for x in meta.sequence_lengths]
     for g, start in enumerate(range(0, len(meta), size)):
         lengths = padded[start : start + size]
         bins = pack_sequences(
@@ -405,7 +269,7 @@ def test_shard_meta_for_dp_packing_is_never_worse_than_packing_alone(case: tuple
 def test_shard_meta_for_dp_packing_meets_count_and_sync_targets() -> None:
     """N=512, capacity 8192, dp=8 (lognormal): ceil(ceil(sum/cap)/dp) micro-batches per rank, sync cost <= 1.01."""
     for seed in range(4):
-        lengths = _lognormal(512, seed)
+        lengths = lognormal_lengths(512, seed)
         meta = KVBatchMeta("p", [f"k{i}" for i in range(512)], sequence_lengths=lengths)
         shards, _ = shard_meta_for_dp(meta, dp_world=8, packing=PackingSpec(8192))
         loads = [s.extra_info["micro_batch_lengths"][0] for s in shards]

@@ -85,7 +85,7 @@ def test_encode_rejects_non_str() -> None:
 
 def test_decode_rejects_out_of_range_id() -> None:
     """decode rejects an id at or past vocab_size, naming its position."""
-    with pytest.raises(ValueError, match=r"'ids\[1\]' must be a token id in \[0, 15\): got 15"):
+    with pytest.raises(ValueError, match=r"'ids' entries must be token ids in \[0, 15\): got 15 at index 1"):
         TOK.decode([3, 15])
 
 
@@ -93,7 +93,7 @@ def test_decode_rejects_non_sequence_and_negative_id() -> None:
     """decode rejects a non-sequence (with the .tolist() hint) and a negative id."""
     with pytest.raises(TypeError, match=r"'ids' must be a sequence of int token ids: got str; .*tolist\(\)"):
         TOK.decode("12")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"'ids\[0\]' must be >= 0: got -1"):
+    with pytest.raises(ValueError, match=r"'ids' entries must be >= 0: got -1 at index 0"):
         TOK.decode([-1])
 
 
@@ -204,7 +204,7 @@ def test_validate_responses_rejects_contract_breaches() -> None:
         validate_responses([[3, 2, 4]], count=1, max_new_tokens=4)
     with pytest.raises(ValueError, match=r"'responses\[1\]' must hold at most max_new_tokens=2 ids: got 3"):
         validate_responses([[3], [3, 3, 2]], count=2, max_new_tokens=2)
-    with pytest.raises(ValueError, match=r"'responses\[0\]\[1\]' must be >= 0: got -5"):
+    with pytest.raises(ValueError, match=r"'responses\[0\]' entries must be >= 0: got -5 at index 1"):
         validate_responses([[3, -5]], count=1, max_new_tokens=4)
     with pytest.raises(TypeError, match=r"'responses\[0\]' must be a sequence of int token ids: got set"):
         validate_responses([{3}], count=1, max_new_tokens=4)  # type: ignore[list-item]

@@ -109,9 +109,9 @@ def test_named_sharding_rejects_bad_sizes() -> None:
     """Sizes must be positive ints, and sizes must be a mapping."""
     with pytest.raises(ValueError, match=r"'sizes\['data_parallel'\]' must be a positive int: got 0"):
         NamedSharding({"data_parallel": 0})
-    with pytest.raises(TypeError, match=r"'sizes\['tensor_parallel'\]' must be int: got float"):
+    with pytest.raises(TypeError, match=r"'sizes\['tensor_parallel'\]' must be an int: got float"):
         NamedSharding({"tensor_parallel": 2.0})
-    with pytest.raises(TypeError, match=r"must be int: got bool"):
+    with pytest.raises(TypeError, match=r"must be an int: got bool"):
         NamedSharding({"tensor_parallel": True})
     with pytest.raises(TypeError, match=r"'sizes' must be a mapping .* got list; e.g. NamedSharding\(\{"):
         NamedSharding([("data_parallel", 2)])  # type: ignore[arg-type]
@@ -126,7 +126,7 @@ def test_coords_rejects_out_of_range_rank() -> None:
         s.dp_index(-1)
     with pytest.raises(ValueError, match=r"'rank' must be in range\(8\): got 8"):
         s.is_replica_leader(8)
-    with pytest.raises(TypeError, match=r"'rank' must be int: got str"):
+    with pytest.raises(TypeError, match=r"'rank' must be an int: got str"):
         s.coords("3")  # type: ignore[arg-type]
 
 
@@ -137,7 +137,7 @@ def test_rank_rejects_bad_coords() -> None:
         s.rank(tensor_parallel=2)
     with pytest.raises(ValueError, match=r"coordinate 'tp' is not a known axis: expected one of"):
         s.rank(tp=1)
-    with pytest.raises(TypeError, match=r"'data_parallel' must be int: got float"):
+    with pytest.raises(TypeError, match=r"'data_parallel' must be an int: got float"):
         s.rank(data_parallel=1.0)  # type: ignore[arg-type]
 
 
@@ -152,5 +152,5 @@ def test_dp_shard_ranks_rejects_out_of_range_dp_index() -> None:
     s = NamedSharding({"data_parallel": 2, "context_parallel": 2})
     with pytest.raises(ValueError, match=r"'dp_index' must be in range\(2\) \(the data_parallel size\): got 2"):
         s.dp_shard_ranks(2)
-    with pytest.raises(TypeError, match=r"'dp_index' must be int: got bool"):
+    with pytest.raises(TypeError, match=r"'dp_index' must be an int: got bool"):
         s.dp_shard_ranks(True)  # type: ignore[arg-type]

@@ -1,0 +1,93 @@
+"""Sampling from one rank's whole megatron GPT: continuations of right-padded prompts, no KV cache.
+
+:func:`sample` runs one full forward per new token over every row at once
+and draws each row's next token from ``softmax(logits / temperature)``
+(masked to ``vocab_limit``) with the caller's generator, until every row has
+drawn ``eos_id`` or ``max_new_tokens`` tokens.
+
+Invariants: the same weights, prompts and generator state give the same
+tokens; causal attention makes the padding to the right of a row invisible to
+it, so rows of different lengths share each forward; the entropy of each
+drawn token's distribution is read off the same probabilities and draws
+nothing, so it changes no token and no generator state; the model's training
+mode is restored on return, also when sampling raises.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from adapters.megatron_batch import check_batch
+from adapters.megatron_setup import int_arg
+from adapters.model_port import Generation
+from core.entropy import categorical_entropy
+from core.model_config import TinyGPTConfig
+
+__all__ = ["sample"]
+
+
+def sample(
+    model: torch.nn.Module,
+    config: TinyGPTConfig,
+    prompt_ids: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    generator: torch.Generator,
+    temperature: float,
+    vocab_limit: int | None,
+    device: torch.device,
+) -> Generation:
+    """Sample continuations of ``prompt_ids`` from ``model``, a whole GPT (one pipeline stage, no TP) on ``device``.
+
+    Args, Returns and Raises as ``MegatronGPTBackend.generate``, which checks
+    the layout and calls this under its device scope.
+    """
+    max_new_tokens = int_arg("max_new_tokens", max_new_tokens)
+    if max_new_tokens < 1:
+        raise ValueError(f"'max_new_tokens' must be >= 1: got {max_new_tokens}")
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"'temperature' must be a number > 0: got {temperature!r}")
+    if vocab_limit is not None and not 1 <= int_arg("vocab_limit", vocab_limit) <= config.vocab_size:
+        raise ValueError(f"'vocab_limit' must be in [1, {config.vocab_size}]: got {vocab_limit}")
+    prompt_ids, prompt_lengths = check_batch(config, prompt_ids, prompt_lengths, "prompt ")
+    width = prompt_ids.shape[1] + max_new_tokens
+    if width > config.max_sequence_length:
+        raise ValueError(
+            f"'max_new_tokens' ({max_new_tokens}) plus the prompt width ({prompt_ids.shape[1]}) must be at most "
+            f"max_sequence_length = {config.max_sequence_length}: got {width}"
+        )
+    rows = prompt_ids.shape[0]
+    sequences = torch.zeros(rows, width, dtype=torch.long)
+    sequences[:, : prompt_ids.shape[1]] = prompt_ids
+    lengths = prompt_lengths.clone()
+    done = torch.zeros(rows, dtype=torch.bool)
+    entropy = torch.zeros(rows, dtype=torch.float64)
+    index = torch.arange(rows)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                span = int(lengths.max())
+                tokens = sequences[:, :span].to(device)
+                positions = torch.arange(span, device=device).expand_as(tokens)
+                logits = model(tokens, positions, None)  # [B, span, V]
+                last = logits[index, lengths - 1].float().cpu() / temperature
+                if vocab_limit is not None:
+                    last[:, vocab_limit:] = -math.inf
+                probs = torch.softmax(last, dim=-1)
+                drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+                live = ~done
+                entropy += torch.where(live, categorical_entropy(last).double(), 0.0)
+                sequences[index[live], lengths[live]] = drawn[live]
+                lengths = lengths + live.long()
+                done = done | (live & (drawn == eos_id))
+                if bool(done.all()):
+                    break
+    finally:
+        model.train(was_training)
+    return Generation(sequences[:, : int(lengths.max())], lengths, entropy)

@@ -1,0 +1,119 @@
+"""Set-up of the megatron GPT backend: megatron's model-parallel state and the model on each rank.
+
+:func:`init_parallel_state` lays megatron's model-parallel groups over the
+default ``torch.distributed`` group, and :func:`build_gpt` builds one rank's
+``GPTModel`` (local layer spec, fp32, no dropout) from
+:func:`transformer_config`. :func:`int_arg` and :func:`check_divides` are the
+argument checks the layout's sizes go through.
+
+Rank layout: ``rank = ((pp * DP + dp) * CP + cp) * TP + tp`` (tensor parallel
+fastest, as :mod:`core.topology`). megatron's default order ``"tp-cp-ep-dp-pp"``
+lists axes fastest first and gives exactly this mapping (expert parallel is 1),
+so :func:`init_parallel_state` passes it explicitly to pin the agreement.
+
+Invariants: a process holds one model-parallel layout (a second set-up with
+other sizes raises, one with the same sizes is a no-op); every model is built
+from the same recipe, so the policy and its reference differ only in weights;
+:func:`parallel_coords` is this rank's coordinate in the layout above.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from core.model_config import TinyGPTConfig
+
+__all__ = [
+    "ORDER", "build_gpt", "check_divides", "init_parallel_state", "int_arg", "parallel_coords", "transformer_config",
+]
+
+ORDER = "tp-cp-ep-dp-pp"
+
+
+def int_arg(name: str, value: Any) -> int:
+    """``value`` when it is an int (not a bool); else ``TypeError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"'{name}' must be int: got {type(value).__name__} ({value!r})")
+    return value
+
+
+def check_divides(name: str, size: int, what: str, total: int) -> None:
+    """Nothing when ``size`` divides ``total``; else ``ValueError`` naming the axis ``name`` and ``what`` it splits."""
+    if total % size:
+        raise ValueError(f"'{name}' ({size}) must divide {what}: got {what} = {total}")
+
+
+def init_parallel_state(tp: int, pp: int) -> None:
+    """Set up megatron's model-parallel groups in :data:`ORDER`; a no-op when set up with these sizes.
+
+    Raises:
+        RuntimeError: the state is already set up with other sizes.
+    """
+    if parallel_state.model_parallel_is_initialized():
+        got = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+        if got != (tp, pp):
+            raise RuntimeError(
+                f"megatron's model-parallel state is already set up with (tensor_parallel, pipeline_parallel) "
+                f"= {got}: expected ({tp}, {pp}); call parallel_state.destroy_model_parallel() first"
+            )
+        return
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order=ORDER
+    )
+
+
+def parallel_coords() -> dict[str, int]:
+    """This rank's coordinate on each axis of :data:`core.topology.AXES`, as megatron assigned it."""
+    return {
+        "pipeline_parallel": parallel_state.get_pipeline_model_parallel_rank(),
+        "data_parallel": parallel_state.get_data_parallel_rank(),
+        "context_parallel": parallel_state.get_context_parallel_rank(),
+        "tensor_parallel": parallel_state.get_tensor_model_parallel_rank(),
+    }
+
+
+def transformer_config(config: TinyGPTConfig, tp: int, pp: int) -> TransformerConfig:
+    """megatron's config for one model; the policy's also carries its DDP hooks, so each model gets its own."""
+    return TransformerConfig(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        ffn_hidden_size=config.ffn_hidden_size,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        # Weights are drawn on CPU (then replaced by the layout-free initial state).
+        use_cpu_initialization=True,
+        # Micro-batches may differ in shape: pipeline stages exchange each one's shape first.
+        variable_seq_lengths=True,
+        # Unused (no MoE); megatron rejects its default "allgather" with variable lengths.
+        moe_token_dispatcher_type="alltoall",
+    )
+
+
+def build_gpt(config: TinyGPTConfig, tp: int, pp: int, device: torch.device) -> GPTModel:
+    """This rank's stage of a fresh GPT (its own :func:`transformer_config`), on ``device``."""
+    model = GPTModel(
+        config=transformer_config(config, tp, pp),
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=config.vocab_size,
+        max_sequence_length=config.max_sequence_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="learned_absolute",
+    )
+    return model.to(device)

@@ -1,0 +1,85 @@
+"""The model port: what a policy or rollout worker calls on its model backend.
+
+A backend holds one rank's shard of the policy (and a frozen reference copy)
+and runs its collectives itself; :class:`adapters.megatron.MegatronGPTBackend`
+is the one implementation. The workers (``shell.policy_worker``,
+``shell.rollout``) depend on :class:`PolicyBackend` only and build the
+megatron backend in one function each, so megatron is one adapter behind this
+port and its import stays inside the workers' processes.
+
+Invariant: every method is collective over the backend's world (each rank
+calls it with the same inputs within a replica), and its results are the same
+on every rank of a replica; ``state_dict`` is layout-free (full-model weights
+that any layout can load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+MicroBatch = Mapping[str, torch.Tensor]
+"""One micro-batch: ``input_ids`` (LongTensor[B, S]), ``lengths`` (LongTensor[B]), plus any fields ``loss_fn`` reads."""
+Metrics = dict[str, float]
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Mapping[str, Any]]]
+"""``loss_fn(logprobs FloatTensor[B, S], micro_batch) -> (scalar loss, metrics)``; metrics are scalars."""
+StateDict = dict[str, torch.Tensor]
+TrainStepResult = dict[str, Any]
+"""``{"loss": float, "grad_norm": float, "metrics": list[Metrics]}`` (one ``Metrics`` per micro-batch)."""
+
+
+@attrs.frozen
+class Generation:
+    """What :meth:`MegatronGPTBackend.generate` returns.
+
+    Attributes:
+        sequences: LongTensor[B, L], each row its prompt then its response, 0 past its length.
+        lengths: LongTensor[B], prompt plus response tokens of each row (the EOS included).
+        entropy: DoubleTensor[B], per row the summed entropy (nats) of the distributions its
+            response tokens were drawn from (temperature applied, masked to ``vocab_limit``).
+    """
+
+    sequences: torch.Tensor
+    lengths: torch.Tensor
+    entropy: torch.Tensor
+
+
+@runtime_checkable
+class PolicyBackend(Protocol):
+    """A rank's model backend: log-probs, train steps, weights, sampling and its place in the layout."""
+
+    def parallel_coords(self) -> dict[str, int]:
+        """This rank's coordinate on each axis of :data:`core.topology.AXES`."""
+        ...
+
+    def logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs FloatTensor[B, S] of the policy: ``out[b, t] = log p(x_t | x_<t)`` for
+        ``1 <= t < lengths[b]``, 0 elsewhere; ``input_ids`` LongTensor[B, S], ``lengths`` LongTensor[B]."""
+        ...
+
+    def reference_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs of the frozen reference model, as :meth:`logprobs`."""
+        ...
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> TrainStepResult:
+        """Accumulate the mean loss's gradient over ``micro_batches`` (averaged over data-parallel ranks),
+        then one optimizer step; ``{"loss", "grad_norm", "metrics"}``."""
+        ...
+
+    def state_dict(self) -> StateDict:
+        """The policy's full weights, the same on every rank."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load full weights (as :meth:`state_dict` returns, from any layout) into the policy."""
+        ...
+
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_lengths: torch.Tensor, *, max_new_tokens: int, eos_id: int,
+        generator: torch.Generator, temperature: float = 1.0, vocab_limit: int | None = None,
+    ) -> Generation:
+        """Sample continuations of right-padded prompts: the sequences, their lengths and per-row sampling entropy."""
+        ...

@@ -1,0 +1,257 @@
+"""The TransferQueue system's life cycle in one process: start it, attach to it, reach its client, shut it down.
+
+A TransferQueue (TQ) system runs on a Ray cluster: a controller actor (named
+:data:`CONTROLLER_NAME` in namespace :data:`CONTROLLER_NAMESPACE`) that maps
+``(partition, key)`` to rows and per-key tags, plus storage (SimpleStorage
+units by default, or Mooncake, see :mod:`adapters.tq_mooncake`). TQ keeps
+process globals: one TQ client per process (``tq.init`` / ``tq.get_client`` /
+``tq.close``), shared by every store of the process. :func:`start` starts TQ
+(and a local Ray cluster when none is initialised) and returns a
+:class:`SystemHold` that owns them; :func:`attach` joins a running TQ from any
+process of the cluster and owns nothing.
+
+TQ quirks handled here: its backend processes (the ``mooncake_master``) are
+started but never stopped by TQ, so the owner stops them; its client logs a
+warning on every call (:func:`quiet_logs`).
+
+Invariant: :func:`release` shuts down exactly what the hold owns (TQ and its
+backend processes, then Ray), and a failed :func:`start` leaves nothing
+running that it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from typing import Any
+
+import attrs
+import ray
+import transfer_queue as tq
+from omegaconf import DictConfig, OmegaConf
+
+from adapters.ray_actors import named_actor_exists
+from adapters.tq_mooncake import MOONCAKE, attach_lending_no_memory, prepare_mooncake
+
+CONTROLLER_NAME = "TransferQueueController"
+CONTROLLER_NAMESPACE = "transfer_queue"
+RAY_NAMESPACE = "rl-dataplane"
+"""The Ray namespace of a cluster that :func:`start` starts itself."""
+
+Config = Mapping[str, Any]
+
+
+@attrs.frozen
+class SystemHold:
+    """One process's hold on the running TQ system: what it owns, and which backend stores the rows.
+
+    Attributes:
+        owns_transfer_queue: :func:`release` shuts TQ down (``tq.close()``) and
+            stops the backend processes it started.
+        owns_ray: :func:`release` also shuts Ray down.
+        kv_backend: the storage backend is Mooncake (rows travel padded, clears go per field set).
+        backend_processes: the local processes TQ started for its backend.
+    """
+
+    owns_transfer_queue: bool = False
+    owns_ray: bool = False
+    kv_backend: bool = False
+    backend_processes: tuple[subprocess.Popen, ...] = ()
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def _default_config() -> DictConfig:
+    return OmegaConf.load(resources.files("transfer_queue") / "config.yaml")  # type: ignore[return-value]
+
+
+def known_backends() -> tuple[str, ...]:
+    """The storage backends TQ 0.1.11 knows: the sections of ``backend`` in its default config."""
+    return tuple(name for name in _default_config().backend if name != "storage_backend")
+
+
+def resolve_config(config: Config | None = None) -> DictConfig:
+    """TQ's default config with ``config`` merged over it, checked before anything starts.
+
+    Args:
+        config: a mapping or ``OmegaConf`` config of TQ settings, e.g.
+            ``{"backend": {"storage_backend": "MooncakeStore"}}``; None for the
+            defaults (SimpleStorage).
+
+    Raises:
+        TypeError: ``config`` is not a mapping.
+        ValueError: ``backend.storage_backend`` names a backend TQ does not know.
+
+    Example:
+        >>> resolve_config({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}).backend.storage_backend
+        'SimpleStorage'
+    """
+    if config is not None and not isinstance(config, Mapping):
+        raise TypeError(
+            f"'config' must be a mapping of TransferQueue settings or None: got {type(config).__name__}; "
+            f"e.g. config={{'backend': {{'storage_backend': 'SimpleStorage'}}}}"
+        )
+    merged = OmegaConf.create({}, flags={"allow_objects": True})
+    merged = OmegaConf.merge(merged, _default_config())
+    if config:
+        merged = OmegaConf.merge(merged, config)
+    backend = merged.backend.storage_backend
+    backends = known_backends()
+    if backend not in backends:
+        raise ValueError(f"'backend.storage_backend' must be one of {backends}: got {backend!r}")
+    return merged  # type: ignore[return-value]
+
+
+def is_running() -> bool:
+    """Whether a TransferQueue controller is registered on this process's Ray cluster (False without Ray).
+
+    Never starts Ray: without an initialised Ray there is no cluster to look in.
+    """
+    return named_actor_exists(CONTROLLER_NAME, CONTROLLER_NAMESPACE)
+
+
+
+def quiet_logs() -> None:
+    """Keep errors only from TQ's loggers: its client warns on every call that it caps its threads at the core count."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("transfer_queue"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+# ---------------------------------------------------------------- life cycle
+
+
+def start(config: Config | None = None) -> SystemHold:
+    """Start TransferQueue on the current Ray cluster (or a local one); the hold owns it.
+
+    If Ray is not initialised, a local cluster is started with logical CPUs
+    (``max(8, os.cpu_count())``, since TQ's controller and storage units
+    each take one), no dashboard, namespace :data:`RAY_NAMESPACE`; the hold
+    then owns Ray too.
+
+    Args:
+        config: TQ settings merged over its defaults (see :func:`resolve_config`);
+            SimpleStorage unless ``backend.storage_backend`` says otherwise.
+
+    Raises:
+        TypeError: ``config`` is not a mapping.
+        ValueError: an unknown storage backend (checked before anything starts).
+        RuntimeError: a TransferQueue already runs on this Ray cluster (attach to it instead).
+    """
+    conf = resolve_config(config)
+    mooncake = conf.backend.storage_backend == MOONCAKE
+    if mooncake:
+        prepare_mooncake(conf)
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, namespace=RAY_NAMESPACE)
+    try:
+        if is_running():
+            raise RuntimeError(
+                f"a TransferQueue already runs on this Ray cluster (actor {CONTROLLER_NAME!r} in namespace "
+                f"{CONTROLLER_NAMESPACE!r}): join it with TransferQueueStore.attach()"
+            )
+        try:
+            tq.init(conf)
+        except BaseException:
+            processes = _backend_processes()
+            with contextlib.suppress(Exception):
+                tq.close()
+            _stop(processes)
+            raise
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise
+    return SystemHold(
+        owns_transfer_queue=True, owns_ray=owns_ray, kv_backend=mooncake, backend_processes=_backend_processes()
+    )
+
+
+def attach() -> SystemHold:
+    """Join the TransferQueue running on this process's Ray cluster; the hold owns nothing.
+
+    Works from the driver that started TQ, another driver on the cluster, or
+    any Ray actor or task. The process's TQ client is created on first use
+    and shared (TQ keeps one per process).
+
+    Raises:
+        RuntimeError: Ray is not initialised in this process, or no
+            TransferQueue runs on the cluster.
+    """
+    if not ray.is_initialized():
+        raise RuntimeError(
+            "Ray is not initialised in this process: connect to the cluster that runs TransferQueue first, "
+            "e.g. ray.init(address='auto'), then call TransferQueueStore.attach()"
+        )
+    if not is_running():
+        raise RuntimeError(
+            f"no TransferQueue is running on this Ray cluster (no actor {CONTROLLER_NAME!r} in namespace "
+            f"{CONTROLLER_NAMESPACE!r}): start one with TransferQueueStore.start()"
+        )
+    controller = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+    conf = ray.get(controller.get_config.remote())
+    mooncake = conf.backend.storage_backend == MOONCAKE
+    if mooncake:
+        attach_lending_no_memory(conf)
+    tq.init()
+    return SystemHold(kv_backend=mooncake)
+
+
+def client() -> tq.TransferQueueClient:
+    """This process's TQ client.
+
+    Raises:
+        RuntimeError: TQ is not running in this process (its owner closed it).
+    """
+    try:
+        found = tq.get_client()
+    except AssertionError:
+        found = None
+    if found is None:
+        raise RuntimeError(
+            "TransferQueue is not running in this process (its owner closed it): "
+            "start it again with TransferQueueStore.start()"
+        )
+    return found
+
+
+def release(hold: SystemHold) -> None:
+    """Shut down what ``hold`` owns: TQ and its backend processes, then Ray (even if TQ's shutdown fails)."""
+    try:
+        if hold.owns_transfer_queue:
+            try:
+                tq.close()
+            finally:
+                _stop(hold.backend_processes)  # TQ leaves the Mooncake master running
+    finally:
+        if hold.owns_ray:
+            ray.shutdown()
+
+
+def _backend_processes() -> tuple[subprocess.Popen, ...]:
+    """The local processes TQ started for its storage backend in this process (the Mooncake master)."""
+    started = getattr(getattr(tq, "interface", None), "_TQ_STORAGE", None) or {}
+    found: list[Any] = []
+    for resource in started.values():
+        found.extend(resource.values() if isinstance(resource, Mapping) else [resource])
+    return tuple(p for p in found if isinstance(p, subprocess.Popen))
+
+
+def _stop(processes: Sequence[subprocess.Popen]) -> None:
+    """Terminate ``processes`` (SIGTERM, then SIGKILL after 10 s) and reap them."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+

@@ -1,0 +1,404 @@
+"""The schema of a GRPO run's configuration: frozen, typed sections whose attribute names are the YAML keys.
+
+``RunConfig`` holds one section per top-level key of ``shell/grpo.yaml``
+(``config.grpo.num_prompts_per_step``, ``config.policy.layout.data_parallel``,
+``config.data_plane.backend``), with ``int``, ``float``, ``bool``, ``str`` and
+enum values. Each key carries its type, its checks and one line of help
+(``--help``); the values live in ``grpo.yaml`` alone. :mod:`shell.run_config`
+reads text into these classes.
+
+Invariant: a ``RunConfig`` that exists is runnable. Every check is made when it
+is built: per-field validators (type, range, finiteness), then
+``__attrs_post_init__`` for relations between keys (the layout divides the
+model; the task loads and its longest row fits the model and the
+micro-batches; the embedded cluster has the CPUs the run's actors need). Every
+failure is a :class:`ConfigError` naming its key, raised before Ray, the store
+or a worker starts.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import attrs
+
+from core.frozen import freeze
+from core.step_plan import StepLayout
+from core.task import Task
+from shell.config_error import ConfigError
+from shell.run_task import TaskShape, load_task, probe_task
+
+
+TRANSFER_QUEUE_CPUS = 3.0
+"""Logical CPUs of TransferQueue's actors (SimpleStorage defaults): the controller and 2 storage units, 1 each."""
+ROLLOUT_ENGINES = 1
+"""Rollout engine actors of a run (each takes ``policy.num_cpus_per_worker`` CPUs)."""
+
+
+class StoreBackend(str, enum.Enum):
+    """Which store the data plane uses."""
+
+    transfer_queue = "transfer_queue"
+    memory = "memory"
+
+
+class FetchPolicyName(str, enum.Enum):
+    """How policy workers fetch their rows (see ``PolicyWorker.fetch``)."""
+
+    auto = "auto"
+    independent = "independent"
+    leader_broadcast = "leader_broadcast"
+
+
+class ProgressMode(str, enum.Enum):
+    """How the run shows progress: a live bar on a terminal or plain lines (``auto``), or one of them."""
+
+    auto = "auto"
+    bar = "bar"
+    plain = "plain"
+    off = "off"
+
+
+# ---------------------------------------------------------------- per-field checks
+
+Check = Callable[[Any], "str | None"]
+"""A field check: the failure (``"must be >= 1"``) for a bad value, None for a good one."""
+
+
+def _at_least(low: float) -> Check:
+    return lambda v: None if v is None or v >= low else f"must be >= {low}"
+
+
+def _above(low: float) -> Check:
+    return lambda v: None if v is None or v > low else f"must be > {low}"
+
+
+def _within(low: float, high: float) -> Check:
+    return lambda v: None if low <= v <= high else f"must be in [{low}, {high}]"
+
+
+def _finite(v: Any) -> str | None:
+    return None if v is None or math.isfinite(v) else "must be a finite number"
+
+
+def _non_empty(v: str | None) -> str | None:
+    return None if v is None or v else "must be a non-empty string"
+
+
+_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
+
+
+def _ray_address(v: str | None) -> str | None:
+    if v is None or v == "auto":
+        return None
+    match = _ADDRESS.fullmatch(v)
+    if match and 1 <= int(match.group(2)) <= 65535:
+        return None
+    return "must be 'auto', host:port of a running cluster (e.g. 10.0.0.1:6379), or null for an embedded cluster"
+
+
+def _key_of(instance: Any, name: str) -> str:
+    return f"{type(instance).PATH}{name}"
+
+
+def _kind_ok(kind: Any, value: Any) -> bool:
+    if kind is bool:
+        return type(value) is bool
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, float)
+    if isinstance(kind, type):
+        return isinstance(value, kind)
+    args = getattr(kind, "__args__", ())
+    if type(None) in args:
+        return value is None or any(_kind_ok(k, value) for k in args if k is not type(None))
+    return isinstance(value, Mapping)
+
+
+def _checked(*checks: Check) -> Callable[[Any, attrs.Attribute, Any], None]:
+    def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        key = _key_of(instance, attribute.name)
+        if not _kind_ok(attribute.type, value):
+            raise ConfigError(key, f"must be of type {getattr(attribute.type, '__name__', attribute.type)}: "
+                                   f"got {type(value).__name__} {value!r}")
+        for check in checks:
+            failure = check(value)
+            if failure:
+                raise ConfigError(key, f"{failure}: got {value!r}")
+
+    return validate
+
+
+def _to_float(value: Any) -> Any:
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def _key(help: str, *checks: Check, float_: bool = False) -> Any:
+    """A config key: its one-line help (``--help``) and its checks."""
+    return attrs.field(
+        validator=_checked(*checks), converter=_to_float if float_ else None, metadata={"help": help}
+    )
+
+
+def _number(help: str, *checks: Check) -> Any:
+    return _key(help, _finite, *checks, float_=True)
+
+
+def _section(cls: type) -> Any:
+    return attrs.field(validator=_checked(), metadata={"section": cls})
+
+
+# ---------------------------------------------------------------- the schema (values: shell/grpo.yaml)
+
+
+@attrs.frozen
+class RunSection:
+    """``run``: where the run writes and what it shows."""
+
+    PATH: ClassVar[str] = "run."
+    dir: str | None = _key("output folder (metrics.jsonl, plot, checkpoint); null: runs/<timestamp>/", _non_empty)
+    progress: ProgressMode = _key("auto | bar | plain | off")
+    checkpoint_every: int = _key("also checkpoint every N steps (0: only at the end)", _at_least(0))
+    samples_to_log: int = _key("decoded responses written per step to samples.jsonl", _at_least(0))
+    overwrite: bool = _key("true: reuse a run.dir holding an earlier run, deleting its files (else use --resume)")
+
+
+@attrs.frozen
+class RaySection:
+    """``ray``: the Ray cluster the run starts or joins (:mod:`shell.ray_cluster`)."""
+
+    PATH: ClassVar[str] = "ray."
+    address: str | None = _key("join a running cluster: 'auto' or host:port; null: start an embedded one", _ray_address)
+    num_cpus: int = _key("logical CPUs of an embedded cluster (TransferQueue's actors need 3)", _at_least(1))
+
+
+@attrs.frozen
+class DapoSection:
+    """``grpo.dapo``: DAPO dynamic sampling."""
+
+    PATH: ClassVar[str] = "grpo.dapo."
+    enabled: bool = _key("DAPO dynamic sampling: keep only groups whose rewards vary")
+    max_generation_batches: int = _key("give up (error) after this many generation batches in a step", _at_least(1))
+
+
+@attrs.frozen
+class LossSection:
+    """``grpo.loss``: the clipped GRPO loss and its KL term."""
+
+    PATH: ClassVar[str] = "grpo.loss."
+    clip_low: float = _number("ratio clipped below at 1 - clip_low", _within(0, 1))
+    clip_high: float = _number("ratio clipped above at 1 + clip_high", _at_least(0))
+    kl_coef: float = _number("weight of the k3 KL to the reference policy (0: no reference pass)", _at_least(0))
+
+
+@attrs.frozen
+class GrpoSection:
+    """``grpo``: steps, groups, sampling and advantages."""
+
+    PATH: ClassVar[str] = "grpo."
+    num_steps: int = _key("GRPO steps", _at_least(1))
+    num_prompts_per_step: int = _key("prompts (groups) per step", _at_least(1))
+    num_generations_per_prompt: int = _key(
+        "responses sampled per prompt (>= 2: a lone response has advantage 0)", _at_least(2)
+    )
+    temperature: float = _number("sampling temperature of the rollout", _above(0))
+    leave_one_out: bool = _key("baseline = mean of the other responses of the prompt")
+    normalize_by_std: bool = _key("divide advantages by the group's reward std")
+    overlong_filter: bool = _key("responses cut off at max_new_tokens do not count in the loss")
+    dapo: DapoSection = _section(DapoSection)
+    loss: LossSection = _section(LossSection)
+
+
+@attrs.frozen
+class LayoutSection:
+    """``policy.layout``: how many ranks, along each parallel axis."""
+
+    PATH: ClassVar[str] = "policy.layout."
+    data_parallel: int = _key("DP ranks (model replicas)", _at_least(1))
+    tensor_parallel: int = _key("TP ranks per replica", _at_least(1))
+    pipeline_parallel: int = _key("PP stages per replica", _at_least(1))
+
+    @property
+    def world_size(self) -> int:
+        """Policy ranks: ``data_parallel * tensor_parallel * pipeline_parallel``."""
+        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
+
+
+@attrs.frozen
+class ModelSection:
+    """``policy.model``: the tiny GPT's sizes (its vocabulary comes from the task)."""
+
+    PATH: ClassVar[str] = "policy.model."
+    hidden_size: int = _key("transformer width", _at_least(1))
+    num_layers: int = _key("transformer layers", _at_least(1))
+    num_attention_heads: int = _key("attention heads", _at_least(1))
+    max_sequence_length: int = _key("positions of the model (the longest row must fit)", _at_least(1))
+
+    def __attrs_post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                "policy.model.hidden_size",
+                f"must be a multiple of policy.model.num_attention_heads ({self.num_attention_heads}): "
+                f"got {self.hidden_size}",
+            )
+
+
+@attrs.frozen
+class PolicySection:
+    """``policy``: the trained model, its layout and its optimizer."""
+
+    PATH: ClassVar[str] = "policy."
+    layout: LayoutSection = _section(LayoutSection)
+    model: ModelSection = _section(ModelSection)
+    learning_rate: float = _number("Adam step size", _above(0))
+    train_global_batch_size: int | None = _key("rows per optimizer step (null: one step per GRPO step)", _at_least(1))
+    micro_batch_tokens: int = _key(
+        "sequence packing: token capacity of a micro-batch, >= the longest row (0: no packing)", _at_least(0)
+    )
+    fetch_policy: FetchPolicyName = _key("auto | independent | leader_broadcast")
+    num_cpus_per_worker: float = _number("Ray CPUs per policy rank and per rollout engine", _above(0))
+    timeout_s: float = _number("a worker call that takes longer fails the run", _above(0))
+
+    def __attrs_post_init__(self) -> None:
+        heads, layers = self.model.num_attention_heads, self.model.num_layers
+        tp, pp = self.layout.tensor_parallel, self.layout.pipeline_parallel
+        if heads % tp:
+            raise ConfigError("policy.layout.tensor_parallel", f"must divide policy.model.num_attention_heads ({heads}): got {tp}")
+        if layers % pp:
+            raise ConfigError("policy.layout.pipeline_parallel", f"must divide policy.model.num_layers ({layers}): got {pp}")
+
+
+@attrs.frozen
+class TaskSection:
+    """The task: its name and constructor arguments; ``instance`` is the task they build (not a key)."""
+
+    PATH: ClassVar[str] = "task."
+    name: str = _key("'addition' or an import path 'package.module:Class'", _non_empty)
+    kwargs: Mapping[str, Any] = attrs.field(
+        converter=freeze, validator=_checked(), metadata={"help": "constructor arguments of the task"}
+    )
+    instance: Task = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "instance", load_task(self.name, self.kwargs))
+
+    def build(self) -> Task:
+        """A new instance of the task (the checks passed for these arguments: it raises nothing new)."""
+        return load_task(self.name, self.kwargs)
+
+
+@attrs.frozen
+class DataPlaneSection:
+    """``data_plane``: whether and how the bulk rows go through a store."""
+
+    PATH: ClassVar[str] = "data_plane."
+    enabled: bool = _key("true: bulk tensors go through the store; false: the legacy in-memory path")
+    backend: StoreBackend = _key("transfer_queue | memory")
+    partition: str = _key("the store partition of the run's rows (any text)", _non_empty)
+    verify_integrity: bool = _key("digest every row at put and check it at get")
+
+
+@attrs.frozen
+class RunConfig:
+    """The whole run; each attribute is a section (or ``seed``), named as in ``grpo.yaml``.
+
+    Raises:
+        ConfigError: a value is ill-typed or impossible, alone or with others (see the module docstring).
+
+    Example:
+        >>> from shell.run_config import load_run_config
+        >>> config = load_run_config(["grpo.num_steps=5", "run.progress=off"])
+        >>> config.grpo.num_steps, config.run.progress, config.policy.layout.data_parallel
+        (5, <ProgressMode.off: 'off'>, 1)
+    """
+
+    PATH: ClassVar[str] = ""
+    seed: int = _key("initial weights, prompts and sampling", _within(0, 2**63 - 1))
+    run: RunSection = _section(RunSection)
+    ray: RaySection = _section(RaySection)
+    grpo: GrpoSection = _section(GrpoSection)
+    policy: PolicySection = _section(PolicySection)
+    task: TaskSection = _section(TaskSection)
+    data_plane: DataPlaneSection = _section(DataPlaneSection)
+
+    def __attrs_post_init__(self) -> None:
+        g, p = self.grpo, self.policy
+        rows, dp, gbs = g.num_prompts_per_step * g.num_generations_per_prompt, p.layout.data_parallel, p.train_global_batch_size
+        try:  # "a global batch is a multiple of DP" is core's rule (StepLayout); the config adds "divides a step"
+            StepLayout(dp_size=dp, train_global_batch_size=gbs)
+            bad = gbs is not None and rows % gbs
+        except ValueError:
+            bad = True
+        if bad:
+            raise ConfigError(
+                "policy.train_global_batch_size",
+                f"must be a multiple of policy.layout.data_parallel ({dp}) that divides the rows of a step "
+                f"(num_prompts_per_step * num_generations_per_prompt = {rows}): got {gbs}",
+            )
+        shape = probe_task(self.task.instance, self.task.build(), seed=self.seed, name=self.task.name)
+        _check_rows_fit(self, shape)
+        if self.ray.address is None:
+            needed, arithmetic = cluster_cpus(self)
+            if needed > self.ray.num_cpus + 1e-9:
+                raise ConfigError(
+                    "ray.num_cpus",
+                    f"the run's actors need {arithmetic} CPUs, more than the embedded cluster's {self.ray.num_cpus}, "
+                    f"so they could never be scheduled: raise ray.num_cpus to {math.ceil(needed - 1e-9)} "
+                    f"or lower policy.num_cpus_per_worker: got {self.ray.num_cpus}",
+                )
+
+
+def _check_rows_fit(config: RunConfig, shape: TaskShape) -> None:
+    limit = config.policy.model.max_sequence_length
+    if shape.longest_row > limit:
+        raise ConfigError(
+            "policy.model.max_sequence_length",
+            f"must fit the task's longest row ({shape.arithmetic()}): got {limit}",
+        )
+    tokens = config.policy.micro_batch_tokens
+    if 0 < tokens < shape.longest_row:
+        raise ConfigError(
+            "policy.micro_batch_tokens",
+            f"must hold the task's longest row ({shape.arithmetic()} tokens), or be 0 for no packing: got {tokens}",
+        )
+
+
+def cluster_cpus(config: RunConfig) -> tuple[float, str]:
+    """The logical CPUs the run's actors take, and the sum that gives them (for messages).
+
+    Policy ranks and the rollout engine take ``policy.num_cpus_per_worker``
+    each; TransferQueue's controller and storage units take one each; the
+    memory store's actor and the legacy path take none.
+
+    Example:
+        >>> from shell.run_config import load_run_config
+        >>> cluster_cpus(load_run_config())[1]
+        '1 policy rank x 0.25 + 1 rollout engine x 0.25 + 3 for TransferQueue = 3.5'
+    """
+    ranks, each = config.policy.layout.world_size, config.policy.num_cpus_per_worker
+    store = config.data_plane.enabled and config.data_plane.backend == StoreBackend.transfer_queue
+    parts = [ranks * each, ROLLOUT_ENGINES * each] + ([TRANSFER_QUEUE_CPUS] if store else [])
+    total = math.fsum(parts)
+    text = (
+        f"{ranks} policy rank{'s' if ranks > 1 else ''} x {each:g} + {ROLLOUT_ENGINES} rollout engine x {each:g}"
+        + (f" + {TRANSFER_QUEUE_CPUS:g} for TransferQueue" if store else "")
+        + f" = {total:g}"
+    )
+    return total, text
+
+
+for _cls in (RunSection, RaySection, DapoSection, LossSection, GrpoSection, LayoutSection, ModelSection,
+             PolicySection, TaskSection, DataPlaneSection, RunConfig):
+    attrs.resolve_types(_cls)
+
+
+
+
+def schema_fields(cls: type) -> list[attrs.Attribute]:
+    """The keys of a section class, in order (its init fields; ``TaskSection.instance`` is not a key)."""
+    return [a for a in attrs.fields(cls) if a.init]

@@ -1,0 +1,83 @@
+"""How a policy rank gets its rows and returns its results: a store shard (data plane) or an inline shard (legacy).
+
+A sharded worker call receives one *rank input* per data-parallel index. Both
+kinds answer the same two questions for the worker, so the worker's compute
+is written once:
+
+* ``rows(worker, fields)``: the rank batch (token fields ``[B, S]`` padded to
+  the step's ``global_forward_pad_seqlen``, other fields ``[B, ...]``, and
+  ``lengths`` LongTensor[B]);
+* ``deliver(worker, outputs)``: hand per-row results back. A store shard's
+  replica leader writes them to the store under the shard's keys (exactly one
+  writer per key and field) and returns nothing bulky; an inline shard's
+  replica leader returns them to the driver.
+
+Invariant: for the same rows and ``extra_info``, both kinds give the worker a
+byte-identical rank batch (``tests/e2e/test_policy_parity_data.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from tensordict import TensorDict
+
+from core.frozen import FrozenDict, freeze
+from core.meta import KVBatchMeta
+
+if TYPE_CHECKING:  # the worker calls these methods; importing it here would be circular
+    from shell.policy_worker import PolicyWorker
+
+Outputs = Mapping[str, torch.Tensor]
+
+
+@attrs.frozen
+class StoreShard:
+    """A data-plane rank input: the shard's meta; the worker fetches its rows by key and writes results back.
+
+    Args:
+        meta: the rank's shard of the step meta (keys, lengths, ``extra_info``).
+    """
+
+    meta: KVBatchMeta = attrs.field(validator=attrs.validators.instance_of(KVBatchMeta))
+
+    @property
+    def extra_info(self) -> FrozenDict:
+        """The shard's ``extra_info`` (pad length, micro-batch spans)."""
+        return self.meta.extra_info
+
+    def rows(self, worker: PolicyWorker, fields: Sequence[str]) -> TensorDict:
+        """The rank batch, fetched from the store as the worker's ``fetch_policy`` says."""
+        return worker.fetch(self.meta, fields=fields)
+
+    def deliver(self, worker: PolicyWorker, outputs: Outputs) -> dict[str, Any]:
+        """Write ``outputs`` (per-token) under the shard's keys from the replica leader; report the store I/O."""
+        wrote = worker.write_back(self.meta, outputs, token_fields=list(outputs)) if outputs else False
+        return {"wrote": wrote, "data_plane": worker.store_io()}
+
+
+@attrs.frozen
+class InlineShard:
+    """A legacy rank input: the rank batch itself, sliced and padded on the driver, and its shard's ``extra_info``.
+
+    Args:
+        data: the rank batch (token fields ``[B, S]``, ``lengths`` LongTensor[B]).
+        extra_info: the shard meta's ``extra_info`` (pad length, micro-batch spans).
+    """
+
+    data: TensorDict = attrs.field(validator=attrs.validators.instance_of(TensorDict))
+    extra_info: FrozenDict = attrs.field(factory=FrozenDict, converter=freeze)
+
+    def rows(self, worker: PolicyWorker, fields: Sequence[str]) -> TensorDict:
+        """The rank batch as shipped (every field the driver sliced)."""
+        return self.data
+
+    def deliver(self, worker: PolicyWorker, outputs: Outputs) -> dict[str, Any]:
+        """Return ``outputs`` to the driver from the replica leader (other ranks return none)."""
+        return {"outputs": dict(outputs) if worker.is_replica_leader else {}}
+
+
+RankInput = StoreShard | InlineShard

@@ -1,0 +1,145 @@
+"""Ray for a run: start an embedded cluster of its own, or join the one ``ray.address`` names.
+
+Invariants:
+  * ``ray.address: null`` always starts a new cluster, whatever runs on the
+    machine: a ``ray start`` cluster, ``RAY_ADDRESS``, or the
+    ``ray_current_cluster`` file a stopped cluster leaves are never joined
+    (``ray.init(address="local")``);
+  * a cluster is joined only through ``ray.address``: ``auto`` is
+    ``RAY_ADDRESS`` or the address ``ray start`` recorded on this machine,
+    ``host:port`` is that address. Before joining, :func:`check_address`
+    checks that something listens there; any failure to join is a
+    :class:`ConfigError` naming ``ray.address``;
+  * joining presents this machine's Ray token when it has one (``ray start``
+    turns token authentication on when ``~/.ray/auth_token`` exists), as
+    ``ray.init(address="auto")`` does by itself; ``RAY_AUTH_MODE``, when set, decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+
+from shell.config_error import ConfigError
+from shell.config_schema import RaySection
+
+CONNECT_TIMEOUT_S = 5.0
+"""How long :func:`check_address` waits for the cluster's port to accept a connection."""
+_AUTH_MODE = "RAY_AUTH_MODE"
+_ADDRESS_ENV = "RAY_ADDRESS"
+
+
+def _address_file() -> Path:
+    """Where ``ray start`` records its cluster's address (``$RAY_TMPDIR/ray/ray_current_cluster`` or ``/tmp/ray/...``)."""
+    try:
+        from ray._common.utils import get_ray_address_file
+    except ImportError:  # Ray before 2.47 kept it in ray._private.utils
+        from ray._private.utils import get_ray_address_file  # type: ignore[attr-defined,no-redef]
+    return Path(get_ray_address_file(None))
+
+
+def resolve_address(address: str) -> str:
+    """``host:port`` of the cluster ``address`` names (``auto``: ``RAY_ADDRESS``, else the one ``ray start`` recorded).
+
+    Raises:
+        ConfigError: ``auto`` finds no cluster (naming ``ray.address``).
+    """
+    if address != "auto":
+        return address
+    env = os.environ.get(_ADDRESS_ENV, "")
+    if env and env != "auto":
+        return env
+    file = _address_file()
+    recorded = file.read_text().strip() if file.is_file() else ""
+    if not recorded:
+        raise ConfigError(
+            "ray.address",
+            f"is 'auto', but no running Ray cluster was found ({_ADDRESS_ENV} is unset and `ray start` recorded "
+            f"no address in {file}): start one with `ray start --head`, or give host:port: got 'auto'",
+        )
+    return recorded
+
+
+def check_address(config: RaySection) -> None:
+    """Check that the cluster ``config.address`` names accepts connections (nothing to check for an embedded one).
+
+    Raises:
+        ConfigError: ``auto`` finds no cluster, or nothing listens at the address (naming ``ray.address``).
+    """
+    if config.address is None:
+        return
+    target = resolve_address(config.address)
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+        via = f" (from {config.address!r})" if target != config.address else ""
+        raise ConfigError(
+            "ray.address",
+            f"no Ray cluster answers at {target}{via}: {reason}; start one there with "
+            f"`ray start --head --port={port}`, or use ray.address=null for an embedded cluster: got {config.address!r}",
+        ) from None
+
+
+def connect(config: RaySection, say: Callable[[str], None]) -> bool:
+    """Start or join Ray for the run, unless this process already has it; return whether it started a connection.
+
+    Args:
+        config: the run's ``ray`` section.
+        say: reports what is being started.
+
+    Raises:
+        ConfigError: the cluster at ``ray.address`` cannot be joined (naming ``ray.address``).
+    """
+    if ray.is_initialized():
+        return False
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+    runtime_env = {"env_vars": {"PYTHONPATH": path}}
+    if config.address is None:
+        say("starting Ray (embedded)")
+        ray.init(
+            address="local",
+            num_cpus=config.num_cpus,
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            log_to_driver=False,
+        )
+        return True
+    check_address(config)
+    target = resolve_address(config.address)
+    say(f"joining Ray at {target}")
+    _present_token()
+    try:
+        ray.init(address=target, runtime_env=runtime_env, log_to_driver=False)
+    except Exception as error:  # Ray raises ConnectionError, RuntimeError, AuthenticationError, ...
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(
+            "ray.address",
+            f"cannot join the Ray cluster at {target}: {text}; if the cluster uses token authentication, "
+            f"this machine needs its token (~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)",
+        ) from None
+    return True
+
+
+def _present_token() -> None:
+    """Turn token authentication on for this process when a token is available and ``RAY_AUTH_MODE`` is unset."""
+    if _AUTH_MODE in os.environ:
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+    except ImportError:  # a Ray without token authentication
+        return
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # it warns that the token is used: that is what we ask of it
+    try:
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        logger.setLevel(level)

@@ -1,0 +1,300 @@
+"""How a step's rows travel: the ``Transport`` port and its two implementations, legacy and data plane.
+
+A GRPO step is one script (:meth:`shell.grpo_trainer.GRPOTrainer.step`); the
+transport is the only thing that differs between the two paths. The driver
+always holds a :class:`StepRows`: the step's :class:`~core.meta.KVBatchMeta`
+(keys, lengths, tags, ``extra_info``), plus, on the legacy path only, the bulk
+batch itself. Both transports shard the same meta with the same core function
+(:func:`core.step_plan.shard_step`); they differ in four places:
+
+=====================  ==========================================  ==============================================
+                       :class:`LegacyTransport`                    :class:`DataPlaneTransport`
+=====================  ==========================================  ==============================================
+rollout output         returned to the driver (``partition_id``    written once to the store under the keys
+                       None)
+rank inputs            driver slices and pads each rank's rows     a :class:`~shell.rank_input.StoreShard`: the
+                       (:class:`~shell.rank_input.InlineShard`)    meta shard; the worker fetches by key
+results                gathered through the driver into the batch  written back by each replica leader
+end of step            nothing stored                              the step's keys are cleared
+=====================  ==========================================  ==============================================
+
+Invariants:
+  * the rank batch a worker computes on is byte-identical on both transports
+    (``tests/e2e/test_policy_parity_data.py``);
+  * a data-plane transport clears every key it was told about (``admit``) by
+    ``finish``, ``discard`` or ``abort``: after a step, finished or failed,
+    the store holds none of its keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+from tensordict import TensorDict
+
+from adapters.rows import build_tensordict
+from adapters.store_port import DataPlaneClient
+from core.codec import is_jagged, to_jagged, to_padded
+from core.fields import GLOBAL_FORWARD_PAD_SEQLEN, LENGTHS, is_token_field
+from core.meta import KVBatchMeta
+from core.sharding import shard_row_indices
+from shell.column_io import read_columns, write_columns
+from shell.metering import column_bytes
+from shell.model_worker import ClientFactory
+from shell.rank_input import InlineShard, RankInput, StoreShard
+from shell.step_rows import StepRows
+
+
+def tensor_bytes(value: Any) -> int:
+    """Payload bytes of a tensor, or of every column of a TensorDict / mapping (0 for anything else).
+
+    Each column is counted by :func:`shell.metering.column_bytes`, as the store's meter counts it.
+    """
+    if isinstance(value, (TensorDict, Mapping)):
+        return sum(column_bytes(v) for v in value.values())
+    return column_bytes(value)
+
+
+@attrs.frozen
+class TransportReport:
+    """What a transport moved in one step.
+
+    Attributes:
+        driver_bytes: tensor bytes that crossed the driver (bulk rows on the
+            legacy path; per-row values written by the driver on the data plane).
+        store_ms: time in store calls, summed over the driver, the rollout and every rank.
+        store_bytes: payload bytes of those store calls.
+        keys_outstanding: keys left in the step's partition after the step (0 on the legacy path).
+    """
+
+    driver_bytes: int = 0
+    store_ms: float = 0.0
+    store_bytes: int = 0
+    keys_outstanding: int = 0
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """How rows reach the policy ranks and how results come back (see the module docstring)."""
+
+    @property
+    def partition_id(self) -> str | None:
+        """Where the rollout writes its batch; None: the rollout returns it to the driver."""
+        ...
+
+    @property
+    def client_factory(self) -> ClientFactory | None:
+        """How each worker opens its store client (None: workers need none)."""
+        ...
+
+    def admit(self, rows: StepRows, store_io: Mapping[str, float]) -> None:
+        """Note a generation batch the step now owns (its keys, its bulk bytes, the rollout's store I/O)."""
+        ...
+
+    def discard(self, rows: StepRows) -> None:
+        """Drop rows the step will not use (e.g. DAPO's filtered groups)."""
+        ...
+
+    def rank_inputs(
+        self, rows: StepRows, shards: Sequence[KVBatchMeta], unsorted: Sequence[int], fields: Sequence[str]
+    ) -> list[RankInput]:
+        """One rank input per DP shard, carrying (or pointing at) ``fields`` of the shard's rows."""
+        ...
+
+    def collect(
+        self, rows: StepRows, results: Sequence[Mapping[str, Any]], unsorted: Sequence[int], names: Sequence[str]
+    ) -> StepRows:
+        """``rows`` with the per-rank results ``names`` now part of it (gathered, or already in the store)."""
+        ...
+
+    def write(self, rows: StepRows, columns: Mapping[str, torch.Tensor]) -> StepRows:
+        """``rows`` with the driver's per-row ``columns`` (e.g. advantages) added."""
+        ...
+
+    def read(self, rows: StepRows, names: Sequence[str]) -> TensorDict:
+        """``names`` of every row, in ``rows`` order.
+
+        The data plane reads them from the store, per-token fields padded to the
+        step's pad length; the legacy transport returns the batch's columns as
+        the driver holds them (the rollout's fields at the rollout's width).
+        """
+        ...
+
+    def finish(self, rows: StepRows) -> TransportReport:
+        """End the step: release what it holds; what was moved."""
+        ...
+
+    def abort(self) -> None:
+        """Release everything the open step holds (after a failure). Idempotent, best effort."""
+        ...
+
+
+# ---------------------------------------------------------------- legacy: rows through the driver
+
+
+def slice_rank_batch(data: TensorDict, rows: Sequence[int], lengths: Sequence[int], *, fields: Sequence[str], pad_to: int) -> TensorDict:
+    """Rows ``rows`` of ``data`` as a rank batch: ``fields`` (per-token fields trimmed to each row's length,
+    then padded with 0 to ``pad_to``) plus ``lengths`` (LongTensor).
+
+    This is the legacy half of the parity: it must equal what
+    :func:`shell.policy_worker.fetch_rank_batch` reads for the same rows after ``first_write``.
+
+    Raises:
+        KeyError: a field is missing from ``data``.
+        ValueError: a row is longer than ``pad_to``.
+    """
+    missing = [name for name in fields if name not in data.keys()]
+    if missing:
+        raise KeyError(f"'data' must hold {list(fields)}: missing {missing}")
+    index = torch.tensor(list(rows), dtype=torch.long)
+    row_lengths = [int(lengths[r]) for r in rows]
+    columns: dict[str, Any] = {}
+    for name in fields:
+        value = data[name]
+        if is_jagged(value) or is_token_field(name):
+            dense = to_padded(value) if is_jagged(value) else value
+            columns[name] = to_padded(to_jagged(dense[index], row_lengths), pad_to_length=pad_to)
+        else:
+            columns[name] = value[index]
+    columns[LENGTHS] = torch.tensor(row_lengths, dtype=torch.long)
+    return build_tensordict(columns, len(row_lengths))
+
+
+class LegacyTransport:
+    """Bulk rows through the driver: the rollout returns them, the driver slices each rank's share and gathers results."""
+
+    partition_id: None = None  # the rollout returns its rows to the driver
+    client_factory: None = None  # workers open no store client
+
+    def __init__(self) -> None:
+        self._bytes = 0
+
+    def admit(self, rows: StepRows, store_io: Mapping[str, float]) -> None:
+        self._bytes += tensor_bytes(rows.batch)
+
+    def discard(self, rows: StepRows) -> None:
+        """Nothing is stored: dropped rows are simply not kept."""
+
+    def rank_inputs(
+        self, rows: StepRows, shards: Sequence[KVBatchMeta], unsorted: Sequence[int], fields: Sequence[str]
+    ) -> list[RankInput]:
+        data = rows.require_batch()
+        lengths = rows.meta.sequence_lengths or ()
+        pad = int(rows.meta.extra_info[GLOBAL_FORWARD_PAD_SEQLEN])
+        inputs: list[RankInput] = [
+            InlineShard(slice_rank_batch(data, r, lengths, fields=fields, pad_to=pad), shard.extra_info)
+            for r, shard in zip(shard_row_indices(shards, unsorted), shards)
+        ]
+        self._bytes += sum(tensor_bytes(i.data) for i in inputs)  # type: ignore[union-attr]
+        return inputs
+
+    def collect(
+        self, rows: StepRows, results: Sequence[Mapping[str, Any]], unsorted: Sequence[int], names: Sequence[str]
+    ) -> StepRows:
+        if not names:
+            return rows
+        order = torch.tensor(list(unsorted), dtype=torch.long)
+        merged = {name: torch.cat([r["outputs"][name] for r in results])[order] for name in names}
+        self._bytes += tensor_bytes(merged)
+        return rows.with_columns(merged)
+
+    def write(self, rows: StepRows, columns: Mapping[str, torch.Tensor]) -> StepRows:
+        return rows.with_columns(columns)
+
+    def read(self, rows: StepRows, names: Sequence[str]) -> TensorDict:
+        data = rows.require_batch()
+        return build_tensordict({name: data[name] for name in names}, len(rows))
+
+    def finish(self, rows: StepRows) -> TransportReport:
+        moved, self._bytes = self._bytes, 0
+        return TransportReport(driver_bytes=moved)
+
+    def abort(self) -> None:
+        self._bytes = 0
+
+
+# ---------------------------------------------------------------- data plane: rows through the store
+
+
+class DataPlaneTransport:
+    """Rows through a store: the rollout writes them once, workers fetch their shards by key and write back.
+
+    Args:
+        client: the driver's store client (a :class:`shell.metering.MeteredClient` also reports store time).
+        client_factory: how each worker opens its own client (picklable).
+        partition_id: the store partition of the run's rows.
+    """
+
+    def __init__(
+        self,
+        client: DataPlaneClient,
+        client_factory: ClientFactory,
+        *,
+        partition_id: str,
+    ) -> None:
+        self.client = client
+        self.client_factory: ClientFactory = client_factory
+        self.partition_id: str = partition_id
+        self._open: dict[str, None] = {}  # keys written in the open step, in write order
+        self._io = {"ms": 0.0, "bytes": 0.0}
+        self._bytes = 0
+
+    def admit(self, rows: StepRows, store_io: Mapping[str, float]) -> None:
+        self._open.update(dict.fromkeys(rows.meta.keys))
+        self._add_io(store_io)
+
+    def discard(self, rows: StepRows) -> None:
+        self._clear(rows.meta.keys)
+
+    def rank_inputs(
+        self, rows: StepRows, shards: Sequence[KVBatchMeta], unsorted: Sequence[int], fields: Sequence[str]
+    ) -> list[RankInput]:
+        return [StoreShard(shard) for shard in shards]
+
+    def collect(
+        self, rows: StepRows, results: Sequence[Mapping[str, Any]], unsorted: Sequence[int], names: Sequence[str]
+    ) -> StepRows:
+        for result in results:
+            self._add_io(result.get("data_plane") or {})
+        return rows.with_meta(rows.meta.with_fields(names)) if names else rows
+
+    def write(self, rows: StepRows, columns: Mapping[str, torch.Tensor]) -> StepRows:
+        meta = write_columns(self.client, rows.meta, dict(columns), token_fields=())
+        self._bytes += tensor_bytes(columns)
+        return rows.with_meta(meta)
+
+    def read(self, rows: StepRows, names: Sequence[str]) -> TensorDict:
+        return read_columns(self.client, rows.meta, list(names))
+
+    def finish(self, rows: StepRows) -> TransportReport:
+        self._clear(list(self._open))
+        delta = getattr(self.client, "step_delta", None)
+        if delta is not None:
+            stats = delta()
+            self._add_io({"ms": stats.total_ms, "bytes": stats.total_bytes})
+        io, self._io = self._io, {"ms": 0.0, "bytes": 0.0}
+        moved, self._bytes = self._bytes, 0
+        return TransportReport(
+            driver_bytes=moved,
+            store_ms=io["ms"],
+            store_bytes=int(io["bytes"]),
+            keys_outstanding=len(self.client.list_keys(self.partition_id)),
+        )
+
+    def abort(self) -> None:
+        self._clear(list(self._open))
+
+    def _clear(self, keys: Sequence[str]) -> None:
+        stored = set(self.client.list_keys(self.partition_id))
+        present = [k for k in keys if k in stored]
+        if present:
+            self.client.clear(present, self.partition_id)
+        for key in keys:
+            self._open.pop(key, None)
+
+    def _add_io(self, io: Mapping[str, float]) -> None:
+        for name in self._io:
+            self._io[name] += float(io.get(name, 0.0))

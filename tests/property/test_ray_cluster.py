@@ -1,0 +1,92 @@
+"""``shell.ray_cluster`` without a cluster: how ``ray.address`` resolves, and how failures read (Ray is never started;
+``ray.init`` is replaced where a test reaches it). The real joins are in ``tests/e2e/test_ray_cluster.py``."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from shell import ray_cluster
+from shell.config_error import ConfigError
+from shell.config_schema import RaySection
+
+
+@pytest.fixture
+def no_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No RAY_ADDRESS, and a RAY_TMPDIR where `ray start` recorded nothing; returns that folder."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    return tmp_path
+
+
+def _listening() -> socket.socket:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    return server
+
+
+def test_resolve_address_auto_reads_ray_address_then_the_recorded_file(no_cluster: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """'auto' is RAY_ADDRESS when set, else the address `ray start` recorded; host:port is itself."""
+    (no_cluster / "ray").mkdir()
+    (no_cluster / "ray" / "ray_current_cluster").write_text("10.1.2.3:6379\n")
+    assert ray_cluster.resolve_address("auto") == "10.1.2.3:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "10.9.9.9:7000")
+    assert ray_cluster.resolve_address("auto") == "10.9.9.9:7000"
+    assert ray_cluster.resolve_address("h:1") == "h:1"
+
+
+def test_resolve_address_auto_without_a_cluster_names_ray_address(no_cluster: Path) -> None:
+    """'auto' with nothing recorded is a ConfigError naming ray.address and where it looked."""
+    with pytest.raises(ConfigError, match=r"config key 'ray.address': is 'auto', but no running Ray cluster was found .*ray start --head"):
+        ray_cluster.resolve_address("auto")
+
+
+def test_check_address_accepts_a_listening_port_and_rejects_a_closed_one(no_cluster: Path) -> None:
+    """Something listening passes; a refused connection is a ConfigError with the address and a fix."""
+    with _listening() as server:
+        port = server.getsockname()[1]
+        ray_cluster.check_address(RaySection(address=f"127.0.0.1:{port}", num_cpus=1))
+    with pytest.raises(ConfigError, match=rf"config key 'ray.address': no Ray cluster answers at 127.0.0.1:{port}: .*ray start --head --port={port}"):
+        ray_cluster.check_address(RaySection(address=f"127.0.0.1:{port}", num_cpus=1))
+    ray_cluster.check_address(RaySection(address=None, num_cpus=1))  # embedded: nothing to check
+
+
+def test_connect_turns_a_failed_join_into_a_config_error(no_cluster: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A join that Ray refuses (here: ConnectionError, as on a token mismatch) is one ConfigError naming ray.address."""
+    calls: list[dict[str, Any]] = []
+
+    def refuse(**kwargs: Any) -> None:
+        calls.append(kwargs)
+        raise ConnectionError("Failed to connect to Ray cluster at 127.0.0.1:1\nmore detail")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray_cluster, "_present_token", lambda: None)
+    with _listening() as server:
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        with pytest.raises(ConfigError, match=rf"^config key 'ray.address': cannot join the Ray cluster at {address}: "
+                                              r"Failed to connect to Ray cluster at 127.0.0.1:1; if the cluster uses token"):
+            ray_cluster.connect(RaySection(address=address, num_cpus=1), lambda message: None)
+    assert calls[0]["address"] == address
+
+
+def test_connect_embedded_never_joins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ray.address null starts a local cluster (address='local': RAY_ADDRESS and the address file are not read)."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    assert ray_cluster.connect(RaySection(address=None, num_cpus=3), lambda message: None) is True
+    assert (calls[0]["address"], calls[0]["num_cpus"]) == ("local", 3)
+
+
+def test_connect_uses_the_ray_this_process_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Ray already initialised (a library caller, the test session), connect starts nothing and owns nothing."""
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("ray.init must not be called"))
+    assert ray_cluster.connect(RaySection(address="auto", num_cpus=1), lambda message: None) is False

@@ -1,0 +1,292 @@
+"""The ``python -m shell.run`` command line: ``--help``, arguments, the run folder, and every bad input it
+rejects with exit 2 and one line naming the key, before anything starts (no Ray is started here)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from shell.config_error import ConfigError
+from shell.run_config import describe_keys, dump_run_config, load_run_config
+
+# ---------------------------------------------------------------- arguments
+
+
+def test_parse_args_help_lists_every_config_key(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` exits 0 and lists every key of ``describe_keys`` with its comment."""
+    from shell.run import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for key, value, comment in describe_keys():
+        assert re.search(rf"^\s+{re.escape(key)}={re.escape(value)}\s+{re.escape(comment)}$", out, re.M), key
+
+
+def test_parse_args_collects_options_and_overrides() -> None:
+    """Options go to their attributes and ``key=value`` items to ``overrides``, in order."""
+    from shell.run import parse_args
+
+    args = parse_args(["--config", "c.yaml", "grpo.num_steps=2", "seed=1"])
+    assert (args.config, args.resume, args.overrides) == ("c.yaml", None, ["grpo.num_steps=2", "seed=1"])
+
+
+def test_parse_args_takes_overrides_before_and_after_options() -> None:
+    """Overrides may come before, between and after ``--config`` and ``--resume``, and keep their order."""
+    from shell.run import parse_args
+
+    args = parse_args(["seed=1", "--config", "c.yaml", "grpo.num_steps=2", "--resume", "runs/a", "run.progress=off"])
+    assert (args.config, args.resume) == ("c.yaml", "runs/a")
+    assert args.overrides == ["seed=1", "grpo.num_steps=2", "run.progress=off"]
+
+
+# ---------------------------------------------------------------- bad input: exit 2, one line, nothing started
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _checkpoint(path: Path, step: int = 3) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save({"step": step, "weights": {"w": torch.ones(2)}, "config": ""}, path / "checkpoint.pt")
+    return path
+
+
+def _truncated(tmp: Path) -> list[str]:
+    data = (_checkpoint(tmp / "good") / "checkpoint.pt").read_bytes()
+    (tmp / "cut").mkdir()
+    (tmp / "cut" / "checkpoint.pt").write_bytes(data[: len(data) // 2])
+    return ["--resume", str(tmp / "cut")]
+
+
+def _garbage(tmp: Path) -> list[str]:
+    (tmp / "garbage.pt").write_bytes(b"\x00\x01 not a checkpoint at all " * 20)
+    return ["--resume", str(tmp / "garbage.pt")]
+
+
+def _foreign(tmp: Path) -> list[str]:
+    torch.save({"model": {"w": torch.ones(1)}}, tmp / "other.pt")
+    return ["--resume", str(tmp / "other.pt")]
+
+
+def _earlier_run(tmp: Path) -> list[str]:
+    (tmp / "old").mkdir()
+    (tmp / "old" / "metrics.jsonl").write_text('{"step": 1}\n')
+    return [f"run.dir={tmp / 'old'}"]
+
+
+def _a_file(tmp: Path) -> list[str]:
+    (tmp / "file").write_text("x")
+    return [f"run.dir={tmp / 'file'}"]
+
+
+def _binary_config(tmp: Path) -> list[str]:
+    (tmp / "model.bin").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    return ["--config", str(tmp / "model.bin")]
+
+
+def _around_config(tmp: Path) -> list[str]:
+    (tmp / "c.yaml").write_text(dump_run_config(load_run_config()))
+    return ["seed=1", "--config", str(tmp / "c.yaml"), "grpo.num_steps=0"]
+
+
+Argv = Callable[[Path], list[str]]
+BAD_INPUTS: list[tuple[str, Argv, str, str]] = [
+    ("ray.address=garbage", lambda t: ["ray.address=garbage"], "ray.address", "must be 'auto', host:port"),
+    ("ray.address=no", lambda t: ["ray.address=no"], "ray.address", "got 'no'"),
+    ("ray.address=auto, no cluster", lambda t: ["ray.address=auto"], "ray.address", "no running Ray cluster was found"),
+    ("ray.address=nobody listening", lambda t: [f"ray.address=127.0.0.1:{_free_port()}"], "ray.address",
+     "no Ray cluster answers at 127.0.0.1:"),
+    ("--resume truncated", _truncated, "--resume", "is not a readable checkpoint"),
+    ("--resume garbage", _garbage, "--resume", "is not a readable checkpoint"),
+    ("--resume not a checkpoint", _foreign, "--resume", "is not a GRPO checkpoint: expected keys step, weights"),
+    ("--resume nothing there", lambda t: ["--resume", str(t / "nowhere")], "--resume", "must name a run folder"),
+    ("--resume num_steps <= step", lambda t: ["--resume", str(_checkpoint(t / "r", step=5)), "grpo.num_steps=5"],
+     "grpo.num_steps", "must exceed the checkpoint's step 5 to resume"),
+    ("micro_batch_tokens=1", lambda t: ["policy.micro_batch_tokens=1"], "policy.micro_batch_tokens",
+     "must hold the task's longest row (longest prompt"),
+    ("learning_rate=.inf", lambda t: ["policy.learning_rate=.inf"], "policy.learning_rate", "finite"),
+    ("learning_rate=.nan", lambda t: ["policy.learning_rate=.nan"], "policy.learning_rate", "finite"),
+    ("temperature=.inf", lambda t: ["grpo.temperature=.inf"], "grpo.temperature", "finite"),
+    ("num_generations_per_prompt=1", lambda t: ["grpo.num_generations_per_prompt=1"],
+     "grpo.num_generations_per_prompt", "must be >= 2"),
+    ("data_plane.enabled=2", lambda t: ["data_plane.enabled=2"], "data_plane.enabled", "must be true or false: got '2'"),
+    ("run.progress=False", lambda t: ["run.progress=False"], "run.progress", "one of auto, bar, plain, off: got 'False'"),
+    ("ray.num_cpus=1", lambda t: ["ray.num_cpus=1"], "ray.num_cpus", "+ 3 for TransferQueue = 3.5 CPUs, more than"),
+    ("num_cpus_per_worker=7", lambda t: ["policy.num_cpus_per_worker=7"], "ray.num_cpus",
+     "1 policy rank x 7 + 1 rollout engine x 7 + 3 for TransferQueue = 17 CPUs"),
+    ("task module raises", lambda t: ["task.name=tests.property.task_import_raises:T"], "task.name", "RuntimeError"),
+    ("task constructor raises", lambda t: ["task.name=tests.property.task_plugins:ConstructorRaises"], "task.kwargs",
+     "RuntimeError: the dataset is not downloaded"),
+    ("task returns too few rewards", lambda t: ["task.name=tests.property.task_plugins:TooFewRewards"], "task.name",
+     "'TooFewRewards.rewards' must return one reward per response"),
+    ("run.dir is a file", _a_file, "run.dir", "must be a folder"),
+    ("run.dir holds a run", _earlier_run, "run.dir", "continue it with --resume"),
+    ("binary --config", _binary_config, "--config", "model.bin is not a text (UTF-8) YAML file"),
+    ("overrides around --config", _around_config, "grpo.num_steps", "must be >= 1: got 0"),
+]
+
+
+@pytest.mark.parametrize(("argv", "key", "words"), [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS])
+def test_main_rejects_bad_input_in_one_line_before_starting_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: Argv, key: str, words: str
+) -> None:
+    """Each bad input of the command line exits 2 with one unwrapped line naming the key: no traceback,
+    no run folder, and Ray as it was."""
+    import ray
+
+    import shell.grpo_trainer  # noqa: F401  (main imports it)
+    from shell.run import EXIT_USAGE, main
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no `ray start` address file: 'auto' finds nothing
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    args = argv(tmp_path)
+    if not any(a.startswith("run.dir=") for a in args):
+        args.append(f"run.dir={tmp_path / 'never'}")
+    was_initialized = ray.is_initialized()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    status = main(args)
+    err = capsys.readouterr().err
+    assert status == EXIT_USAGE == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"error: config key '{key}': "), lines[0]
+    assert words in lines[0], lines[0]
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, "a rejected command line must not write"
+    assert ray.is_initialized() == was_initialized, "a rejected command line must not start (or stop) Ray"
+
+
+@pytest.mark.parametrize(("argv", "key"), [(["grpo.nope=1"], "grpo.nope"), (["grpo.num_steps=0"], "grpo.num_steps")])
+def test_main_rejects_a_bad_config_before_starting_anything(capsys: pytest.CaptureFixture[str], argv: list[str], key: str) -> None:
+    """A bad key or value makes ``main`` return 2 within seconds, name the key on stderr, and leave Ray as it was."""
+    import ray
+
+    import shell.grpo_trainer  # noqa: F401  (main imports it; its import time is not what is measured)
+    from shell.run import EXIT_USAGE, main
+
+    was_initialized = ray.is_initialized()  # True when an e2e session cluster runs in this process
+    start = time.monotonic()
+    status = main(argv)
+    elapsed = time.monotonic() - start
+    captured = capsys.readouterr()
+    assert status == EXIT_USAGE == 2
+    assert key in captured.err
+    assert elapsed < 5.0
+    assert ray.is_initialized() == was_initialized, "a rejected config must not start (or stop) Ray"
+
+
+def test_main_error_lines_are_not_wrapped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An error longer than 80 columns stays one line (logs and grep see all of it)."""
+    from shell.run import main
+
+    assert main(["policy.num_cpus_per_worker=7", f"run.dir={tmp_path / 'x'}"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert len(line) > 120
+
+
+# ---------------------------------------------------------------- the run folder
+
+
+def _records(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_prepare_run_dir_cuts_metrics_and_samples_at_the_checkpoint(tmp_path: Path) -> None:
+    """On --resume from step k, metrics.jsonl and samples.jsonl keep only their records of steps <= k."""
+    from shell.run_dir import plan_run_dir, prepare_run_dir
+
+    run = _checkpoint(tmp_path / "run", step=3)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in range(1, 6)))
+    (run / "samples.jsonl").write_text("".join(json.dumps({"step": s, "response": "7"}) + "\n" for s in (1, 1, 2, 3, 4, 4, 5)))
+    plan = plan_run_dir(load_run_config(["grpo.num_steps=8"]), str(run))
+    assert (plan.path, plan.first_step, plan.checkpoint["step"]) == (run, 4, 3)  # type: ignore[index]
+    prepare_run_dir(plan)
+    assert _records(run / "metrics.jsonl") == [1, 2, 3]
+    assert _records(run / "samples.jsonl") == [1, 1, 2, 3]
+
+
+def test_plan_run_dir_resumes_a_checkpoint_file_in_its_folder(tmp_path: Path) -> None:
+    """--resume RUN_DIR/checkpoint.pt continues in RUN_DIR, whose earlier files are expected there."""
+    from shell.run_dir import plan_run_dir
+
+    run = _checkpoint(tmp_path / "run")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    plan = plan_run_dir(load_run_config(), str(run / "checkpoint.pt"))
+    assert (plan.path, plan.overwrite) == (run, False)
+
+
+def test_plan_run_dir_refuses_an_earlier_run_without_resume(tmp_path: Path) -> None:
+    """A run.dir holding a run's files is refused, naming --resume and a fresh folder, whichever file it holds."""
+    from shell.run_dir import RUN_FILES, plan_run_dir
+
+    for name in RUN_FILES:
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        (folder / name).write_text("")
+        with pytest.raises(ConfigError, match=rf"config key 'run.dir': .*holds an earlier run \({re.escape(name)}\): "
+                                              rf"continue it with --resume .*choose a fresh run.dir.*run.overwrite=true"):
+            plan_run_dir(load_run_config([f"run.dir={folder}"]), None)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other" ).mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert plan_run_dir(load_run_config([f"run.dir={tmp_path / 'empty'}"]), None).path == tmp_path / "empty"
+    assert plan_run_dir(load_run_config([f"run.dir={tmp_path / 'other'}"]), None).overwrite is False
+
+
+def test_prepare_run_dir_overwrite_deletes_the_earlier_runs_files_only(tmp_path: Path) -> None:
+    """With run.overwrite=true the earlier run's files are deleted before the new run; other files stay."""
+    from shell.run_dir import RUN_FILES, plan_run_dir, prepare_run_dir
+
+    for name in RUN_FILES:
+        (tmp_path / name).write_text("old")
+    (tmp_path / "notes.txt").write_text("mine")
+    plan = plan_run_dir(load_run_config([f"run.dir={tmp_path}", "run.overwrite=true"]), None)
+    prepare_run_dir(plan)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_plan_run_dir_rejects_a_folder_under_a_file(tmp_path: Path) -> None:
+    """A run.dir below a file cannot be created: a ConfigError naming run.dir and the file."""
+    from shell.run_dir import plan_run_dir
+
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match=rf"config key 'run.dir': cannot create .*: {re.escape(str(tmp_path / 'f'))} is a file"):
+        plan_run_dir(load_run_config([f"run.dir={tmp_path / 'f' / 'run'}"]), None)
+
+
+def test_plan_run_dir_default_folder_is_fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without run.dir, two runs started in the same second get two folders."""
+    from shell.run_dir import plan_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261123-101500")
+    first = plan_run_dir(load_run_config(), None).path
+    first.mkdir(parents=True)
+    (first / "metrics.jsonl").write_text("")
+    second = plan_run_dir(load_run_config(), None).path
+    assert (first.name, second.name) == ("20261123-101500", "20261123-101500-2")
+
+
+def test_read_checkpoint_checks_its_fields(tmp_path: Path) -> None:
+    """A checkpoint whose step is not an int >= 1 or whose weights are not tensors is rejected naming --resume."""
+    from shell.run_dir import read_checkpoint
+
+    for data, words in (({"step": "3", "weights": {"w": torch.ones(1)}}, "'step' must be an int >= 1"),
+                        ({"step": 0, "weights": {"w": torch.ones(1)}}, "'step' must be an int >= 1"),
+                        ({"step": 2, "weights": {}}, "'weights' must map names to tensors")):
+        torch.save(data, tmp_path / "c.pt")
+        with pytest.raises(ConfigError, match=rf"config key '--resume': .*{re.escape(words)}"):
+            read_checkpoint(str(tmp_path / "c.pt"))
+    assert read_checkpoint(str(_checkpoint(tmp_path / "ok")))["step"] == 3
