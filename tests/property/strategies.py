@@ -762,6 +762,10 @@ def run_config_overrides(draw: st.DrawFn) -> list[str]:
         f"run.progress={draw(st.sampled_from(['auto', 'bar', 'plain', 'off']))}",
         f"data_plane.partition={draw(st.one_of(plain_override_texts, yaml_11_words))}",
         f"policy.fetch_policy={draw(st.sampled_from(['auto', 'independent', 'leader_broadcast']))}",
+        f"grpo.async.enabled={draw(st.sampled_from(['true', 'false']))}",
+        f"grpo.async.max_staleness={draw(st.integers(0, 2**31))}",
+        f"grpo.async.buffer_groups={draw(st.integers(32, 2**31))}",  # >= grpo.num_prompts_per_step (32)
+        f"grpo.async.is_cap={draw(st.floats(1.0, 1e6))!r}",
     ]
     if draw(st.booleans()):
         out.append(f"run.dir={draw(st.one_of(plain_override_texts, yaml_11_words).filter(lambda t: t not in ('null', '~')))}")
