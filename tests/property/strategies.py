@@ -770,3 +770,20 @@ def run_config_overrides(draw: st.DrawFn) -> list[str]:
     if draw(st.booleans()):
         out.append(f"run.dir={draw(st.one_of(plain_override_texts, yaml_11_words).filter(lambda t: t not in ('null', '~')))}")
     return out
+
+
+# ---------------------------------------------------------------- run records (shell/run_log.py, shell/run_plot.py)
+
+
+@st.composite
+def timed_records(draw: st.DrawFn, *, max_size: int = 30) -> list[dict[str, Any]]:
+    """A run's records in any order (distinct steps), each ``step_time_s`` a number, ``None`` or missing."""
+    steps = draw(st.lists(st.integers(0, 10**4), min_size=1, max_size=max_size, unique=True))
+    records = []
+    for step in steps:
+        record: dict[str, Any] = {"step": step, "reward_mean": draw(st.one_of(st.none(), st.floats(-1.0, 2.0)))}
+        time = draw(st.one_of(st.just("missing"), st.none(), st.floats(0.0, 1e4), st.integers(0, 100)))
+        if time != "missing":
+            record["step_time_s"] = time
+        records.append(record)
+    return records
