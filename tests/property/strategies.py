@@ -762,7 +762,28 @@ def run_config_overrides(draw: st.DrawFn) -> list[str]:
         f"run.progress={draw(st.sampled_from(['auto', 'bar', 'plain', 'off']))}",
         f"data_plane.partition={draw(st.one_of(plain_override_texts, yaml_11_words))}",
         f"policy.fetch_policy={draw(st.sampled_from(['auto', 'independent', 'leader_broadcast']))}",
+        f"grpo.async.enabled={draw(st.sampled_from(['true', 'false']))}",
+        f"grpo.async.max_staleness={draw(st.integers(0, 2**31))}",
+        f"grpo.async.buffer_groups={draw(st.integers(32, 2**31))}",  # >= grpo.num_prompts_per_step (32)
+        f"grpo.async.is_cap={draw(st.floats(1.0, 1e6))!r}",
     ]
     if draw(st.booleans()):
         out.append(f"run.dir={draw(st.one_of(plain_override_texts, yaml_11_words).filter(lambda t: t not in ('null', '~')))}")
     return out
+
+
+# ---------------------------------------------------------------- run records (shell/run_log.py, shell/run_plot.py)
+
+
+@st.composite
+def timed_records(draw: st.DrawFn, *, max_size: int = 30) -> list[dict[str, Any]]:
+    """A run's records in any order (distinct steps), each ``step_time_s`` a number, ``None`` or missing."""
+    steps = draw(st.lists(st.integers(0, 10**4), min_size=1, max_size=max_size, unique=True))
+    records = []
+    for step in steps:
+        record: dict[str, Any] = {"step": step, "reward_mean": draw(st.one_of(st.none(), st.floats(-1.0, 2.0)))}
+        time = draw(st.one_of(st.just("missing"), st.none(), st.floats(0.0, 1e4), st.integers(0, 100)))
+        if time != "missing":
+            record["step_time_s"] = time
+        records.append(record)
+    return records
