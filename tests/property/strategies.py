@@ -400,6 +400,15 @@ clip_ranges = st.tuples(st.floats(0.0, 0.5), st.floats(0.0, 0.5))
 """``(clip_low, clip_high)`` pairs, asymmetric as in DAPO."""
 
 
+@st.composite
+def weighted_policy_loss_inputs(draw: st.DrawFn, *, max_batch: int = 4, max_len: int = 6) -> dict[str, torch.Tensor]:
+    """``policy_loss_inputs`` plus float64 ``importance_weights`` [B, S] in [0, 3] (exact 0 and 1 common)."""
+    case = draw(policy_loss_inputs(max_batch=max_batch, max_len=max_len))
+    b, s = case["logprobs"].shape
+    values = draw(st.lists(st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.0, 3.0)), min_size=b * s, max_size=b * s))
+    return {**case, "importance_weights": torch.tensor(values, dtype=torch.float64).reshape(b, s)}
+
+
 # ---------------------------------------------------------------- stores
 # (column and batch strategies for adapters.rows and the store contract)
 
