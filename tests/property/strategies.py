@@ -409,6 +409,38 @@ def weighted_policy_loss_inputs(draw: st.DrawFn, *, max_batch: int = 4, max_len:
     return {**case, "importance_weights": torch.tensor(values, dtype=torch.float64).reshape(b, s)}
 
 
+# off-policy (core/off_policy.py)
+
+importance_caps = st.one_of(st.just(1.0), st.floats(1.0, 4.0))
+"""``is_cap`` values: exactly 1 (every weight above 1 truncated) up to 4."""
+
+
+@st.composite
+def decoupled_loss_inputs(draw: st.DrawFn, *, max_batch: int = 4, max_len: int = 6) -> dict[str, torch.Tensor]:
+    """Float64 ``logprobs``, ``proximal_logprobs``, ``behaviour_logprobs`` [B, S], ``advantages`` and ``mask``.
+
+    Proximal is as ``prev_logprobs`` of ``policy_loss_inputs``; behaviour is
+    proximal shifted by [-2, 2] per token (weights from e^-2 to e^2, on both
+    sides of every cap in ``importance_caps``), exactly proximal on some rows.
+    """
+    case = draw(policy_loss_inputs(max_batch=max_batch, max_len=max_len))
+    prox = case.pop("prev_logprobs")
+    b, s = prox.shape
+    shift = _float_grid(draw, (b, s), -2.0, 2.0)
+    on_policy = torch.tensor(draw(st.lists(st.booleans(), min_size=b, max_size=b)))
+    behaviour = torch.where(on_policy[:, None], prox, prox + shift)
+    return {"proximal_logprobs": prox, "behaviour_logprobs": behaviour, **case}
+
+
+@st.composite
+def version_lags(draw: st.DrawFn, rows: int) -> torch.Tensor:
+    """[rows] version lags in 0..3, as an int64 or a float64 tensor (all 0 and all positive both common)."""
+    lag = st.sampled_from([st.just(0), st.integers(1, 3), st.integers(0, 3)]).flatmap(
+        lambda entry: st.lists(entry, min_size=rows, max_size=rows)
+    )
+    return torch.tensor(draw(lag), dtype=draw(st.sampled_from([torch.int64, torch.float64])))
+
+
 # ---------------------------------------------------------------- stores
 # (column and batch strategies for adapters.rows and the store contract)
 
