@@ -807,3 +807,101 @@ def run_config_overrides(draw: st.DrawFn) -> list[str]:
     if draw(st.booleans()):
         out.append(f"run.dir={draw(st.one_of(plain_override_texts, yaml_11_words).filter(lambda t: t not in ('null', '~')))}")
     return out
+
+
+# ---------------------------------------------------------------- replay buffer (core/replay.py)
+# core.replay is imported inside the strategies, as this section is appended.
+
+replay_versions = st.integers(0, 8)
+"""Weight versions of receipts and trainer versions: small, so lags near every staleness bound occur."""
+
+
+def replay_receipt(keys: Sequence[str], *, weight_version: int, batch_seq: int, rewards: Sequence[float] | None = None) -> Any:
+    """A ``GroupReceipt`` of rows ``keys`` (one prompt group) in partition ``train``, stamped with its versions."""
+    from core.replay import GroupReceipt
+    from core.rollout_carry import RolloutCarry
+
+    n = len(keys)
+    carry = RolloutCarry(
+        rewards=[0.0] * n if rewards is None else rewards,
+        lengths=[4] * n,
+        group_ids=[batch_seq] * n,
+        prompt_ids=[0] * n,
+        truncated=[False] * n,
+    )
+    return GroupReceipt(
+        KVBatchMeta("train", keys, sequence_lengths=[4] * n),
+        carry,
+        weight_version=weight_version,
+        batch_seq=batch_seq,
+        entropy=[0.5] * n,
+        response_tokens=[2] * n,
+        responses=[f"r{k}" for k in keys[:1]],
+    )
+
+
+@st.composite
+def group_receipts(draw: st.DrawFn, *, prefix: str = "g", max_rows: int = 4) -> Any:
+    """A valid ``GroupReceipt``: 1..``max_rows`` rows keyed ``<prefix>_<i>``, any versions, carry rewards, entropies and texts."""
+    from core.replay import GroupReceipt
+
+    n = draw(st.integers(1, max_rows))
+    keys = [f"{prefix}_{i}" for i in range(n)]
+    base = replay_receipt(keys, weight_version=draw(replay_versions), batch_seq=draw(st.integers(0, 9)), rewards=draw(st.lists(carry_rewards, min_size=n, max_size=n)))
+    return GroupReceipt(
+        base.meta,
+        base.carry,
+        weight_version=base.weight_version,
+        batch_seq=base.batch_seq,
+        entropy=draw(st.lists(st.floats(0.0, 20.0), min_size=n, max_size=n)),
+        response_tokens=draw(st.lists(st.integers(0, 16), min_size=n, max_size=n)),
+        responses=draw(st.lists(st.text(max_size=6), max_size=n)),
+    )
+
+
+def receipt_streams(*, min_size: int = 0, max_size: int = 12) -> st.SearchStrategy[list[Any]]:
+    """Receipts with pairwise-disjoint keys (group ``i`` is prefixed ``g<i>``), in arrival order, versions in any order."""
+    return st.integers(min_size, max_size).flatmap(lambda n: st.tuples(*(group_receipts(prefix=f"g{i}") for i in range(n))).map(list))
+
+
+@st.composite
+def replay_scripts(draw: st.DrawFn) -> tuple[int, list[Any], list[tuple[Any, ...]]]:
+    """``(capacity_groups, receipts, operations)``: a buffer driven by offers of the stream's next receipts and samples.
+
+    Each operation is ``("offer", count)`` (the next ``count`` receipts not
+    yet accepted, or fewer at the end; a batch that does not fit stays next)
+    or ``("sample", num_groups, current_version, max_staleness)``, with
+    ``num_groups <= capacity_groups`` and ``current_version`` never decreasing.
+    """
+    capacity = draw(st.integers(1, 6))
+    receipts = draw(receipt_streams())
+    operations: list[tuple[Any, ...]] = []
+    version = 0
+    for _ in range(draw(st.integers(0, 12))):
+        if draw(st.booleans()):
+            operations.append(("offer", draw(st.integers(0, capacity))))
+        else:
+            version += draw(st.integers(0, 2))
+            operations.append(("sample", draw(st.integers(1, capacity)), version, draw(st.integers(0, 3))))
+    return capacity, receipts, operations
+
+
+ASYNC_ACTIONS = ("generate", "sync", "train")
+"""The collector generates (or retries its pending offer), pulls the trainer's latest weights, or the trainer takes a step."""
+
+
+@st.composite
+def async_schedules(draw: st.DrawFn, *, max_staleness: int | None = None) -> dict[str, Any]:
+    """An asynchronous GRPO run to simulate: batch shape, buffer capacity, staleness bound and an interleaving of actions.
+
+    ``capacity_groups`` is at least ``groups_per_batch`` (a batch always fits
+    an empty buffer); ``actions`` is any sequence over ``ASYNC_ACTIONS``.
+    """
+    groups = draw(st.integers(1, 3))
+    return {
+        "groups_per_batch": groups,
+        "rows_per_group": draw(st.integers(1, 3)),
+        "capacity_groups": draw(st.integers(groups, 3 * groups + 1)),
+        "max_staleness": draw(st.integers(0, 3)) if max_staleness is None else max_staleness,
+        "actions": draw(st.lists(st.sampled_from(ASYNC_ACTIONS), max_size=60)),
+    }
