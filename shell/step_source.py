@@ -23,6 +23,7 @@ belong to the step's transport from then on (``transport.admit``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -158,7 +159,7 @@ class RolloutSource:
         self.config = config
         self.key_prefix = key_prefix
         self.group = _rollout_group(config, RolloutWorker, rollout_config, client_factory, "rollout")
-        self._last = time.perf_counter()
+        self._last: float | None = None  # when the previous step's rows were handed over
 
     def refit(self, policy: Policy) -> None:
         policy.push_weights(self.group.actors[0])
@@ -191,6 +192,8 @@ class RolloutSource:
         kept: list[tuple[RolloutResult, Sequence[int]]] = []
         kept_groups = 0
         wait = 0.0
+        if self._last is None:
+            self._last = time.perf_counter()
         for batch_index in range(limit):
             prompts = self.config.task.instance.prompts(self.config.seed, step * limit + batch_index, target)
             started = time.perf_counter()
@@ -233,7 +236,7 @@ class RolloutSource:
     def _input(self, rows: StepRows, carry: RolloutCarry, batches: Sequence[RolloutResult],
                kept: Sequence[tuple[RolloutResult, Sequence[int]]], wait: float) -> StepInput:
         now = time.perf_counter()
-        interval, self._last = now - self._last, now
+        interval, self._last = now - (self._last or now), now
         generated = sum(n for b in batches for n in b.response_tokens)
         first = batches[0]
         return StepInput(
@@ -281,7 +284,7 @@ class CollectorSource:
         self.buffer: ReplayBufferClient | None = None
         self.group: WorkerGroup | None = None
         self._loop: Any = None  # the collector's run() ref, once started
-        self._last = time.perf_counter()
+        self._last = 0.0  # when the previous step's rows were handed over (the loop's start, first)
         self._collector_stats: dict[str, float] = {}
         self.buffer = ReplayBufferClient.start(self.settings.buffer_groups, client_factory, partition_id)
         self.group = _rollout_group(config, RolloutCollector, rollout_config, client_factory, "collector", max_concurrency=4)
@@ -309,12 +312,12 @@ class CollectorSource:
     def load_weights(self, state_ref: Any) -> None:
         if self._loop is not None:
             raise RuntimeError("load weights before the first step: the collector is already running")
-        self._group.call(RolloutCollector.set_weights, state_ref)
+        self._call_collector(RolloutCollector.set_weights, state_ref)
 
     def process_ids(self) -> dict[str, int]:
         from shell.worker import Worker
 
-        return {"collector": self._group.call(Worker.process_id)[0]}
+        return {"collector": self._call_collector(Worker.process_id)}
 
     def _start(self, step: int) -> None:
         g = self.config.grpo
@@ -328,6 +331,14 @@ class CollectorSource:
             num_texts=self.config.run.samples_to_log,
         )
         (self._loop,) = self._group.submit(RolloutCollector.run, plan, self.buffer)
+        self._last = time.perf_counter()
+
+    def _call_collector(self, method: Any, *args: Any) -> Any:
+        """``method`` on the collector; a failure is a :class:`WorkerError` naming the collector."""
+        try:
+            return self._group.call(method, *args)[0]
+        except WorkerError as error:
+            raise _named("the rollout collector", method.__name__, str(error)) from error
 
     def _check_collector(self) -> None:
         """Raise a :class:`WorkerError` naming the collector if its loop ended (before ``close`` it only ends by failing)."""
@@ -375,7 +386,7 @@ class CollectorSource:
         wait = time.perf_counter() - started
         groups = report.groups
         rows, carry = _step_rows(groups)
-        stats = self._group.call(RolloutCollector.stats)[0]
+        stats = self._call_collector(RolloutCollector.stats)
         previous, self._collector_stats = self._collector_stats, stats
         delta = {k: v - previous.get(k, 0.0) for k, v in stats.items()}
         transport.admit(rows, {"ms": delta["store_ms"], "bytes": delta["store_bytes"]})
@@ -405,27 +416,25 @@ class CollectorSource:
         )
 
     def close(self) -> None:
-        """Stop the loop (it clears its keys in flight), drain the buffer (clearing its keys), stop both actors."""
-        errors: list[BaseException] = []
+        """Stop the loop (it clears its keys in flight), drain the buffer (clearing its keys), stop both actors.
+
+        Best effort and silent: a collector or buffer that already died (the
+        run's failure was reported then) cannot clear its keys, so the trainer
+        sweeps every key of the run afterwards (:meth:`GRPOTrainer.close`).
+        """
         group, self.group = self.group, None
         buffer, self.buffer = self.buffer, None
         if group is not None:
-            try:
-                if self._loop is not None:
+            if self._loop is not None:
+                with contextlib.suppress(Exception):
                     group.call(RolloutCollector.stop)
                     ray.wait([self._loop], timeout=self.config.policy.timeout_s)
-            except Exception as error:  # a dead collector: its keys are swept by the trainer
-                errors.append(error)
             group.shutdown()
         if buffer is not None:
-            try:
+            with contextlib.suppress(Exception):
                 buffer.drain(timeout_s=30.0)
-            except Exception as error:
-                errors.append(error)
             buffer.kill()
         self._loop = None
-        if errors:
-            raise errors[0]
 
 
 def _named(actor: str, method: str, message: str) -> WorkerError:
