@@ -26,18 +26,12 @@ Invariants (checked on construction and in ``tests/property/test_reverse.py``):
     by EOS reaches the upper bound and, when ``exact_bonus > 0``, nothing else does;
   * turning a wrong position into the right digit never lowers the reward.
 
-Random-policy baseline: with the defaults (length 8, digits 10, so 9-token
-responses, a 14-token vocabulary of 3 specials, 10 digits and ``>``, weights
+Random-policy baseline: with the defaults (length 10, digits 4, so 11-token
+responses, an 8-token vocabulary of 3 specials, 4 digits and ``>``, weights
 0.5 / 0.5) a policy sampling each token uniformly from the vocabulary, stopping
-at EOS or after 9 tokens, earns an expected reward of about 0.0189 out of 1.0, the
-same for every question. Of the ``g`` tokens before EOS (``g`` is ``k < 9`` with
-probability ``(13/14)**k / 14``, or 9 with probability ``(13/14)**9``), each of the
-first ``min(g, 8)`` is right with probability 1/13, so
-
-    E = 0.5 * sum_g P(g) * min(g, 8) / 13 / max(8, g) + 0.5 * 14**-9
-
-(the exact bonus adds ``0.5 * 14**-9 ~= 2.4e-11``). ``random_policy_reward``
-computes it for any configuration, and a test checks it against an enumeration.
+at EOS or after 11 tokens, earns an expected reward of about 0.0354 out of 1.0,
+the same for every question (0.0258 with length 8 over 10 digits).
+``random_policy_reward`` computes it for any configuration, and a test checks it against an enumeration.
 """
 
 from __future__ import annotations
@@ -98,13 +92,13 @@ class ReverseTask:
         >>> task = ReverseTask(length=3)
         >>> p = Prompt(prompt_id=12, text="012>", answer="210")
         >>> task.prompt_ids(p), task.rewards([p, p, p], [[5, 4, 3, 2], [5, 4, 3], [5, 5, 5, 2]])
-        ((1, 3, 4, 5, 13), (1.0, 0.5, 0.16666666666666666))
+        ((1, 3, 4, 5, 7), (1.0, 0.5, 0.16666666666666666))
     """
 
     name: ClassVar[str] = "reverse"
 
-    length: int = attrs.field(default=8, validator=_check_length)
-    digits: int = attrs.field(default=10, validator=_check_digits)
+    length: int = attrs.field(default=10, validator=_check_length)
+    digits: int = attrs.field(default=4, validator=_check_digits)
     max_new_tokens: int = attrs.field(
         default=attrs.Factory(lambda self: self.length + 1, takes_self=True), validator=_check_max_new_tokens
     )
@@ -138,7 +132,7 @@ class ReverseTask:
 
         Example:
             >>> [p.text for p in ReverseTask(length=4, digits=3).prompts(seed=0, step=0, count=2)]
-            ['2120>', '2222>']
+            ['1211>', '0110>']
         """
         rng = random.Random(task_seed(seed, step))
         out: list[Prompt] = []
@@ -156,7 +150,7 @@ class ReverseTask:
 
         Example:
             >>> ReverseTask(length=2).prompt_ids(Prompt(prompt_id=1, text="01>", answer="10"))
-            (1, 3, 4, 13)
+            (1, 3, 4, 7)
         """
         if not isinstance(prompt, Prompt):
             raise TypeError(f"'prompt' must be a Prompt: got {type(prompt).__name__}")
@@ -198,7 +192,7 @@ class ReverseTask:
 
         Example:
             >>> float(ReverseTask().random_policy_reward())  # doctest: +ELLIPSIS
-            0.0189...
+            0.0353...
         """
         vocab = self.tokenizer.vocab_size
         go_on = Fraction(vocab - 1, vocab)  # any token but EOS

@@ -2,8 +2,9 @@
 
 For each seed (a *paired repeat*) it runs, one after the other in fresh
 processes, the synchronous trainer and async GRPO at each ``max_staleness``:
-``python -m shell.run task.name=reverse seed=s grpo.num_steps=N ...`` (the
-generation-heavy task by default), rotating the order from seed to seed so no
+``python -m shell.run task.name=reverse task.kwargs.length=10
+task.kwargs.digits=4 seed=s grpo.num_steps=N ...`` (the generation-heavy task
+by default), rotating the order from seed to seed so no
 variant always runs first. From each run's ``metrics.jsonl`` it reads:
 
 * **throughput**: steps per second of training, ``N / sum(step_time_s)`` (the
@@ -46,8 +47,9 @@ from shell.run_plot import plot_compare
 Records = Sequence[Mapping[str, Any]]
 LAST = 10
 """Steps averaged for the final reward and for the trailing mean of the time-to-reward."""
-TASK_OVERRIDES = ("task.name=reverse",)
-"""The generation-heavy task, as the bench runs it unless ``overrides`` set ``task.*`` themselves."""
+TASK_OVERRIDES = ("task.name=reverse", "task.kwargs.length=10", "task.kwargs.digits=4")
+"""The generation-heavy task (11-token responses over 4 digit values), as the bench runs it unless ``overrides``
+set ``task.*`` themselves."""
 PHASES = ("rollout", "wait", "advantages", "logprobs", "write", "train", "refit", "finish")
 
 

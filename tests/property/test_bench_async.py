@@ -62,7 +62,7 @@ def test_async_bench_config_rejects_what_the_bench_sets(tmp_path: object) -> Non
         AsyncBenchConfig(seeds=1, steps=5, runs_dir=str(tmp_path))
     cfg = AsyncBenchConfig(seeds=1, steps=10, runs_dir=str(tmp_path), staleness=(1, 2))
     assert list(cfg.variants) == ["sync", "async-k1", "async-k2"]
-    assert cfg.base_overrides == ("task.name=reverse",)
+    assert cfg.base_overrides == ("task.name=reverse", "task.kwargs.length=10", "task.kwargs.digits=4")
     assert AsyncBenchConfig(seeds=1, steps=10, runs_dir=str(tmp_path), overrides=("task.name=addition",)).base_overrides == (
         "task.name=addition",
     )
