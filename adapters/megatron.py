@@ -336,7 +336,9 @@ class MegatronGPTBackend:
             response, 0 past each row's length), ``lengths`` LongTensor[B]
             (prompt plus response tokens, the EOS included), ``entropy``
             DoubleTensor[B] (per row, the summed entropy of its response
-            tokens' sampling distributions, in nats).
+            tokens' sampling distributions, in nats), ``logprobs``
+            FloatTensor[B, L] (each response token's log-probability under the
+            distribution it was drawn from, at its position; 0 elsewhere).
 
         Raises:
             ValueError: the backend is tensor- or pipeline-parallel (a rollout

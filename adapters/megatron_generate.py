@@ -9,7 +9,8 @@ Invariants: the same weights, prompts and generator state give the same
 tokens; causal attention makes the padding to the right of a row invisible to
 it, so rows of different lengths share each forward; the entropy of each
 drawn token's distribution is read off the same probabilities and draws
-nothing, so it changes no token and no generator state; the model's training
+nothing, so it changes no token and no generator state (so is each drawn
+token's log-probability, recorded as the behaviour policy's); the model's training
 mode is restored on return, also when sampling raises.
 """
 
@@ -66,6 +67,7 @@ def sample(
     lengths = prompt_lengths.clone()
     done = torch.zeros(rows, dtype=torch.bool)
     entropy = torch.zeros(rows, dtype=torch.float64)
+    logprobs = torch.zeros(rows, width, dtype=torch.float32)
     index = torch.arange(rows)
     was_training = model.training
     model.eval()
@@ -83,6 +85,8 @@ def sample(
                 drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)
                 live = ~done
                 entropy += torch.where(live, categorical_entropy(last).double(), 0.0)
+                drawn_logprob = torch.log_softmax(last, dim=-1).gather(1, drawn[:, None]).squeeze(1)
+                logprobs[index[live], lengths[live]] = drawn_logprob[live]
                 sequences[index[live], lengths[live]] = drawn[live]
                 lengths = lengths + live.long()
                 done = done | (live & (drawn == eos_id))
@@ -90,4 +94,5 @@ def sample(
                     break
     finally:
         model.train(was_training)
-    return Generation(sequences[:, : int(lengths.max())], lengths, entropy)
+    span = int(lengths.max())
+    return Generation(sequences[:, :span], lengths, entropy, logprobs[:, :span])

@@ -40,11 +40,16 @@ class Generation:
         lengths: LongTensor[B], prompt plus response tokens of each row (the EOS included).
         entropy: DoubleTensor[B], per row the summed entropy (nats) of the distributions its
             response tokens were drawn from (temperature applied, masked to ``vocab_limit``).
+        logprobs: FloatTensor[B, L], the behaviour policy's log-probability of each response token
+            under the distribution it was drawn from (temperature applied, masked to ``vocab_limit``),
+            at the token's position (aligned with :meth:`PolicyBackend.logprobs`); 0 at prompt and
+            padding positions.
     """
 
     sequences: torch.Tensor
     lengths: torch.Tensor
     entropy: torch.Tensor
+    logprobs: torch.Tensor
 
 
 @runtime_checkable

@@ -21,12 +21,23 @@ PREV_LOGPROBS = "prev_logprobs"  # FloatTensor[B, S]: log-probs of the policy th
 REFERENCE_LOGPROBS = "reference_policy_logprobs"  # FloatTensor[B, S]: log-probs of the frozen reference
 ADVANTAGES = "advantages"  # FloatTensor[B] (per row, as GRPO writes it) or [B, S]
 SAMPLE_MASK = "sample_mask"  # FloatTensor[B]: 1 for rows that count in the loss, 0 for filtered rows
+GENERATION_LOGPROBS = "generation_logprobs"  # FloatTensor[B, S]: log-probs the behaviour policy sampled each token with (async)
+VERSION_LAG = "version_lag"  # FloatTensor[B]: trainer's weight version minus the row's sampling version (async)
 
-FIELDS: tuple[str, ...] = (INPUT_IDS, TOKEN_MASK, LENGTHS, PREV_LOGPROBS, REFERENCE_LOGPROBS, ADVANTAGES, SAMPLE_MASK)
+FIELDS: tuple[str, ...] = (
+    INPUT_IDS, TOKEN_MASK, LENGTHS, GENERATION_LOGPROBS, PREV_LOGPROBS, REFERENCE_LOGPROBS, ADVANTAGES, SAMPLE_MASK,
+    VERSION_LAG,
+)
 """Every field name, in the order a step produces them."""
 
-TOKEN_FIELDS: frozenset[str] = frozenset({INPUT_IDS, TOKEN_MASK, PREV_LOGPROBS, REFERENCE_LOGPROBS})
+TOKEN_FIELDS: frozenset[str] = frozenset({INPUT_IDS, TOKEN_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS, REFERENCE_LOGPROBS})
 """The per-token fields: ``[B, S]`` in a rank batch, jagged (trimmed to each row's length) in the store."""
+
+# ---------------------------------------------------------------- per-key tags
+
+WEIGHT_VERSION = "weight_version"
+"""Per-key tag (int) of an async rollout row: the version of the weights that sampled it (0: the initial
+weights; version ``v`` is the policy after ``v`` GRPO steps)."""
 
 # ---------------------------------------------------------------- extra_info keys
 

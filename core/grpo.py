@@ -11,7 +11,9 @@ Invariants:
     that reward, so its advantages are exactly 0;
   * a group of one row has std 0, never NaN;
   * masked-out tokens never reach a loss or its gradient, whatever they hold
-    (``-inf`` log-probabilities included), and an all-zero mask gives loss 0.
+    (``-inf`` log-probabilities included), and an all-zero mask gives loss 0;
+  * importance weights are constants on each token's loss: without them the
+    clipped loss is bitwise what it is with all weights 1.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ GroupStd = Tensor  # [N] floating: the reward std of each row's group
 Advantages = Tensor  # [N] (per row) or [B, S] (per token) floating
 TokenLogprobs = Tensor  # [B, S] floating: log pi(token) for each response token
 TokenMask = Tensor  # [B, S] bool, or floating weights; 0 / False marks padding
+TokenWeights = Tensor  # [B, S] floating, detached: a constant factor on each token's loss
 Metrics = dict[str, Tensor]  # name -> 0-d detached tensor
 LossLevel = Literal["token", "sequence"]
 _LEVELS = ("token", "sequence")
@@ -119,6 +122,21 @@ def _check_mask(mask: Any, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor
         )
     _check_shape("mask", tensor, shape, "same as the values it masks")
     return tensor.to(dtype)
+
+
+def _check_importance_weights(value: Any, shape: tuple[int, ...], selected: Tensor) -> Tensor:
+    """Validated importance weights, detached: floating, of ``shape``, finite and >= 0 where ``selected``."""
+    tensor = _check_floating("importance_weights", value)
+    _check_shape("importance_weights", tensor, shape, "same as 'logprobs'")
+    tensor = tensor.detach()
+    bad = selected & ~(torch.isfinite(tensor) & (tensor >= 0))
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            "'importance_weights' must be finite and >= 0 where 'mask' is non-zero: "
+            f"got {tensor[row, col].item()!r} at [{row}, {col}]"
+        )
+    return tensor
 
 
 # ---------------------------------------------------------------- group statistics
@@ -364,11 +382,17 @@ def clipped_policy_loss(
     clip_high: float = 0.2,
     level: LossLevel = "token",
     normalizer: float | None = None,
+    importance_weights: TokenWeights | None = None,
 ) -> tuple[Tensor, Metrics]:
     """The PPO/GRPO clipped surrogate loss, with DAPO's asymmetric clip bounds.
 
         ratio_t = exp(logprobs_t - prev_logprobs_t)
-        loss_t  = -min(ratio_t * A_t, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A_t)
+        loss_t  = -min(ratio_t * A_t, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A_t) * w_t
+
+    with ``w_t`` = ``importance_weights`` (constants: no gradient flows into
+    them), or ``w_t = 1`` when None (then the loss and its gradient are
+    bitwise those of the formula without ``w``). ``core.off_policy`` passes
+    truncated behaviour-policy weights here.
 
     reduced with weights ``m_t`` = ``mask``:
 
@@ -390,6 +414,8 @@ def clipped_policy_loss(
         clip_high: upper clip range, ratio <= 1 + clip_high, >= 0.
         level: "token" or "sequence" averaging.
         normalizer: a positive denominator replacing the local count.
+        importance_weights: [B, S] floating per-token weights, finite and
+            >= 0 where ``mask`` is non-zero (anything elsewhere), detached.
 
     Returns:
         ``(loss, metrics)``: the 0-d loss, and detached 0-d token-mean (local,
@@ -402,7 +428,8 @@ def clipped_policy_loss(
     Raises:
         TypeError: a tensor has the wrong dtype; a number is not a number.
         ValueError: shapes disagree; a clip bound, ``level`` or ``normalizer``
-            is out of range.
+            is out of range; an importance weight where ``mask`` is non-zero
+            is negative or not finite.
 
     Example:
         >>> lp = torch.zeros(1, 2)
@@ -430,10 +457,11 @@ def clipped_policy_loss(
     if level not in _LEVELS:
         raise ValueError(f"'level' must be one of {list(_LEVELS)}: got {level!r}")
     norm = _check_normalizer(normalizer)
+    selected = weights != 0  # [B, S] bool
+    importance = None if importance_weights is None else _check_importance_weights(importance_weights, shape, selected)
 
     # Padding may hold -inf / NaN: replace it before any arithmetic so neither
     # the loss nor the gradient (through torch.where) ever sees it.
-    selected = weights != 0  # [B, S] bool
     lp = torch.where(selected, logprobs, 0)
     prev = torch.where(selected, prev, 0)
     adv = torch.where(selected, adv, 0)
@@ -441,6 +469,8 @@ def clipped_policy_loss(
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - low, 1.0 + high) * adv
     per_token = -torch.minimum(unclipped, clipped)  # [B, S]
+    if importance is not None:
+        per_token = per_token * torch.where(selected, importance.to(per_token.dtype), 0)
 
     if level == "token":
         loss = _masked_mean(per_token, weights, norm, None)

@@ -5,7 +5,8 @@ scalars per row (reward, length, group, question id, whether the response was
 cut off). The driver decides everything of a GRPO step from the carry alone:
 
 * :func:`dapo_selection`: which groups DAPO dynamic sampling keeps;
-* :func:`plan_advantages`: per-row baseline, std, advantage and sample mask.
+* :func:`plan_advantages`: per-row baseline, std, advantage and sample mask;
+* :func:`zero_variance_group_fraction`: the share of groups DAPO would drop.
 
 Invariants:
   * a carry's columns all have one entry per row (checked when built);
@@ -200,3 +201,32 @@ def dapo_selection(carry: RolloutCarry, *, max_groups: int) -> Indices:
 def group_count(carry: RolloutCarry) -> int:
     """The number of distinct groups in ``carry``."""
     return len(set(carry.group_ids))
+
+
+def zero_variance_group_fraction(carry: RolloutCarry) -> float:
+    """The fraction of the carry's groups (distinct ``group_ids``) whose rewards are all equal.
+
+    Such a group has advantage exactly 0 on every row, so it carries no
+    gradient: this is the share of groups that DAPO dynamic sampling drops.
+    The test is :func:`core.grpo.dapo_keep_mask`'s at ``eps=0`` on float32
+    rewards (max == min, exactly), so it always agrees with
+    :func:`dapo_selection`: ``1 - groups kept / groups``.
+
+    Raises:
+        TypeError: ``carry`` is not a ``RolloutCarry``.
+        ValueError: ``carry`` has no rows (no groups).
+
+    Example:
+        >>> c = RolloutCarry(rewards=[1, 1, 0, 1, 0.5], lengths=[2] * 5, group_ids=[0, 0, 1, 1, 2],
+        ...                  prompt_ids=[0] * 5, truncated=[False] * 5)
+        >>> zero_variance_group_fraction(c)  # group 0 (1, 1) and the singleton group 2
+        0.6666666666666666
+    """
+    if not isinstance(carry, RolloutCarry):
+        raise TypeError(f"'carry' must be a RolloutCarry: got {type(carry).__name__}")
+    if carry.size == 0:
+        raise ValueError("'carry' must have at least one row (one group): got 0")
+    keep = dapo_keep_mask(torch.tensor(carry.rewards, dtype=torch.float32), list(carry.group_ids)).tolist()
+    groups = set(carry.group_ids)
+    varying = {gid for gid, kept in zip(carry.group_ids, keep) if kept}
+    return (len(groups) - len(varying)) / len(groups)

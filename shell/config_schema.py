@@ -3,17 +3,20 @@
 ``RunConfig`` holds one section per top-level key of ``shell/grpo.yaml``
 (``config.grpo.num_prompts_per_step``, ``config.policy.layout.data_parallel``,
 ``config.data_plane.backend``), with ``int``, ``float``, ``bool``, ``str`` and
-enum values. Each key carries its type, its checks and one line of help
-(``--help``); the values live in ``grpo.yaml`` alone. :mod:`shell.run_config`
-reads text into these classes.
+enum values. A key that is a Python keyword is the attribute of that name plus
+``_``, with the key in its field's metadata: the YAML section ``grpo.async`` is
+``config.grpo.async_`` (:func:`config_key`, :func:`schema_fields`). Each key
+carries its type, its checks and one line of help (``--help``); the values live
+in ``grpo.yaml`` alone. :mod:`shell.run_config` reads text into these classes.
 
 Invariant: a ``RunConfig`` that exists is runnable. Every check is made when it
 is built: per-field validators (type, range, finiteness), then
 ``__attrs_post_init__`` for relations between keys (the layout divides the
 model; the task loads and its longest row fits the model and the
-micro-batches; the embedded cluster has the CPUs the run's actors need). Every
-failure is a :class:`ConfigError` naming its key, raised before Ray, the store
-or a worker starts.
+micro-batches; async GRPO runs on the data plane, without DAPO, with a buffer
+of at least one step's groups; the embedded cluster has the CPUs the run's
+actors need). Every failure is a :class:`ConfigError` naming its key, raised
+before Ray, the store or a worker starts.
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ class ProgressMode(str, enum.Enum):
     off = "off"
 
 
+KEY = "key"
+"""Field metadata: the YAML key of a field whose attribute name differs from it (``async_`` is ``async``)."""
+
+
 # ---------------------------------------------------------------- per-field checks
 
 Check = Callable[[Any], "str | None"]
@@ -101,8 +108,8 @@ def _ray_address(v: str | None) -> str | None:
     return "must be 'auto', host:port of a running cluster (e.g. 10.0.0.1:6379), or null for an embedded cluster"
 
 
-def _key_of(instance: Any, name: str) -> str:
-    return f"{type(instance).PATH}{name}"
+def _key_of(instance: Any, attribute: attrs.Attribute) -> str:
+    return f"{type(instance).PATH}{config_key(attribute)}"
 
 
 def _kind_ok(kind: Any, value: Any) -> bool:
@@ -122,7 +129,7 @@ def _kind_ok(kind: Any, value: Any) -> bool:
 
 def _checked(*checks: Check) -> Callable[[Any, attrs.Attribute, Any], None]:
     def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        key = _key_of(instance, attribute.name)
+        key = _key_of(instance, attribute)
         if not _kind_ok(attribute.type, value):
             raise ConfigError(key, f"must be of type {getattr(attribute.type, '__name__', attribute.type)}: "
                                    f"got {type(value).__name__} {value!r}")
@@ -149,8 +156,9 @@ def _number(help: str, *checks: Check) -> Any:
     return _key(help, _finite, *checks, float_=True)
 
 
-def _section(cls: type) -> Any:
-    return attrs.field(validator=_checked(), metadata={"section": cls})
+def _section(cls: type, *, key: str | None = None) -> Any:
+    """A section field; ``key``: its YAML key where the attribute name cannot be it (a Python keyword)."""
+    return attrs.field(validator=_checked(), metadata={"section": cls, **({KEY: key} if key is not None else {})})
 
 
 # ---------------------------------------------------------------- the schema (values: shell/grpo.yaml)
@@ -197,6 +205,24 @@ class LossSection:
 
 
 @attrs.frozen
+class AsyncSection:
+    """``grpo.async``: asynchronous GRPO (``config.grpo.async_``: ``async`` is a Python keyword)."""
+
+    PATH: ClassVar[str] = "grpo.async."
+    enabled: bool = _key("asynchronous GRPO: a rollout collector runs ahead of the trainer through the store (docs/async.md)")
+    max_staleness: int = _key(
+        "a trained row's weights are at most this many versions behind the trainer's (0: synchronous, bitwise equal)",
+        _at_least(0),
+    )
+    buffer_groups: int = _key(
+        "replay buffer capacity in prompt groups (receipts only; the rows stay in the store)", _at_least(1)
+    )
+    is_cap: float = _number(
+        "truncation cap of the importance weight exp(proximal - behaviour) in the decoupled loss", _at_least(1)
+    )
+
+
+@attrs.frozen
 class GrpoSection:
     """``grpo``: steps, groups, sampling and advantages."""
 
@@ -212,6 +238,7 @@ class GrpoSection:
     overlong_filter: bool = _key("responses cut off at max_new_tokens do not count in the loss")
     dapo: DapoSection = _section(DapoSection)
     loss: LossSection = _section(LossSection)
+    async_: AsyncSection = _section(AsyncSection, key="async")
 
 
 @attrs.frozen
@@ -278,7 +305,7 @@ class TaskSection:
     """The task: its name and constructor arguments; ``instance`` is the task they build (not a key)."""
 
     PATH: ClassVar[str] = "task."
-    name: str = _key("'addition' or an import path 'package.module:Class'", _non_empty)
+    name: str = _key("a built-in task, 'addition' or 'reverse', or an import path 'package.module:Class'", _non_empty)
     kwargs: Mapping[str, Any] = attrs.field(
         converter=freeze, validator=_checked(), metadata={"help": "constructor arguments of the task"}
     )
@@ -340,6 +367,7 @@ class RunConfig:
                 f"must be a multiple of policy.layout.data_parallel ({dp}) that divides the rows of a step "
                 f"(num_prompts_per_step * num_generations_per_prompt = {rows}): got {gbs}",
             )
+        _check_async(self)
         shape = probe_task(self.task.instance, self.task.build(), seed=self.seed, name=self.task.name)
         _check_rows_fit(self, shape)
         if self.ray.address is None:
@@ -351,6 +379,31 @@ class RunConfig:
                     f"so they could never be scheduled: raise ray.num_cpus to {math.ceil(needed - 1e-9)} "
                     f"or lower policy.num_cpus_per_worker: got {self.ray.num_cpus}",
                 )
+
+
+def _check_async(config: RunConfig) -> None:
+    """With ``grpo.async.enabled``: rows go through the store, DAPO is off, and the buffer holds a step's groups."""
+    a = config.grpo.async_
+    if not a.enabled:
+        return
+    if not config.data_plane.enabled:
+        raise ConfigError(
+            "data_plane.enabled",
+            "must be true when grpo.async.enabled is true (async GRPO moves rows through the store): got false",
+        )
+    if config.grpo.dapo.enabled:
+        raise ConfigError(
+            "grpo.dapo.enabled",
+            "must be false when grpo.async.enabled is true (DAPO dynamic sampling and async GRPO "
+            "are not supported together yet): got true",
+        )
+    prompts = config.grpo.num_prompts_per_step
+    if a.buffer_groups < prompts:
+        raise ConfigError(
+            "grpo.async.buffer_groups",
+            f"must be >= grpo.num_prompts_per_step ({prompts}; a step samples that many whole groups): "
+            f"got {a.buffer_groups}",
+        )
 
 
 def _check_rows_fit(config: RunConfig, shape: TaskShape) -> None:
@@ -373,7 +426,10 @@ def cluster_cpus(config: RunConfig) -> tuple[float, str]:
 
     Policy ranks and the rollout engine take ``policy.num_cpus_per_worker``
     each; TransferQueue's controller and storage units take one each; the
-    memory store's actor and the legacy path take none.
+    memory store's actor and the legacy path take none. With
+    ``grpo.async.enabled`` the rollout collector takes the rollout engine's
+    place (at the same CPUs) and the replay buffer's actor takes none: the sum
+    is the same.
 
     Example:
         >>> from shell.run_config import load_run_config
@@ -392,13 +448,22 @@ def cluster_cpus(config: RunConfig) -> tuple[float, str]:
     return total, text
 
 
-for _cls in (RunSection, RaySection, DapoSection, LossSection, GrpoSection, LayoutSection, ModelSection,
-             PolicySection, TaskSection, DataPlaneSection, RunConfig):
+for _cls in (RunSection, RaySection, DapoSection, LossSection, AsyncSection, GrpoSection, LayoutSection,
+             ModelSection, PolicySection, TaskSection, DataPlaneSection, RunConfig):
     attrs.resolve_types(_cls)
 
 
+def config_key(attribute: attrs.Attribute) -> str:
+    """The YAML key of a schema field: its ``key`` metadata if set (``async_`` -> ``async``), else its name."""
+    return attribute.metadata.get(KEY, attribute.name)
 
 
-def schema_fields(cls: type) -> list[attrs.Attribute]:
-    """The keys of a section class, in order (its init fields; ``TaskSection.instance`` is not a key)."""
-    return [a for a in attrs.fields(cls) if a.init]
+def schema_fields(cls: type) -> dict[str, attrs.Attribute]:
+    """The keys of a section class, in order, each with its field (its init fields; ``TaskSection.instance``
+    is not a key).
+
+    Example:
+        >>> [(key, field.name) for key, field in schema_fields(GrpoSection).items()][-1]
+        ('async', 'async_')
+    """
+    return {config_key(a): a for a in attrs.fields(cls) if a.init}

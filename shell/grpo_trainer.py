@@ -1,9 +1,11 @@
 """``GRPOTrainer``: one GRPO step, written once, over either transport (legacy in-memory, or the data plane).
 
-:meth:`GRPOTrainer.step` is one script: generate (with DAPO's dynamic sampling
-when enabled), plan the advantages from the per-row carry (core), stamp the
-step, compute the previous and reference log-probs, write the advantages,
-train, refit the rollout engine, finish. The driver's decisions come from core
+:meth:`GRPOTrainer.step` is one script: take the step's rows from the step
+source (generated now, with DAPO's dynamic sampling when enabled; or, for
+async GRPO, sampled from the replay buffer a rollout collector fills ahead of
+the trainer: :mod:`shell.step_source`), plan the advantages from the per-row
+carry (core), stamp the step, compute the previous and reference log-probs,
+write the advantages, train, refit the generator, finish. The driver's decisions come from core
 (:mod:`core.rollout_carry`, :mod:`core.grpo`, :mod:`core.step_plan`); how rows
 move is the transport's business alone (:mod:`shell.transport`): on the
 legacy path the bulk rows pass through the driver, on the data plane they
@@ -12,10 +14,13 @@ stay in the store and only metas and per-row values cross the driver.
 Invariants:
   * for the same config and seed both paths produce bitwise the same rewards,
     losses and grad norms on CPU (same prompts, sampling streams, shards,
-    pad lengths and micro-batches);
-  * after every step, finished or failed, the store holds none of its keys;
+    pad lengths and micro-batches), and so does async GRPO with
+    ``grpo.async.max_staleness=0``;
+  * after every step, finished or failed, the store holds none of its keys
+    (async: besides those of receipts in the buffer or of a batch in flight);
   * on any error or interrupt, :meth:`GRPOTrainer.close` stops every actor it
-    started and closes what it owns (the store, an embedded Ray cluster).
+    started, clears every key the run wrote (all carry the run id), and
+    closes what it owns (the store, an embedded Ray cluster).
 """
 
 from __future__ import annotations
@@ -24,10 +29,9 @@ import contextlib
 import functools
 import math
 import os
-import pickle
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +39,10 @@ import attrs
 import ray
 import torch
 
+from core.entropy import mean_token_entropy
 from core.fields import ADVANTAGES, SAMPLE_MASK
 from core.model_config import TinyGPTConfig
-from core.rollout_carry import RolloutCarry, dapo_selection, group_count, plan_advantages
+from core.rollout_carry import plan_advantages, zero_variance_group_fraction
 from core.sharding import PackingSpec
 from core.step_plan import TrainResult
 from core.task import Task
@@ -47,12 +52,11 @@ from shell.loss import GRPOLoss
 from shell.metering import MeteredClient
 from shell.phases import PhaseTimer
 from shell.policy import Policy, PolicyConfig
-from shell.rollout import RolloutConfig, RolloutResult, RolloutWorker, step_entropy
+from shell.rollout import RolloutConfig
 from shell.ray_cluster import connect as connect_ray
 from shell.run_config import RunConfig, StoreBackend, dump_run_config
-from shell.step_rows import StepRows
+from shell.step_source import NotEnoughGroups, StepInput, StepSource, build_source
 from shell.transport import DataPlaneTransport, LegacyTransport, Transport, TransportReport
-from shell.worker_group import WorkerGroup
 
 CHECKPOINT_FILE = "checkpoint.pt"
 _VOCAB_MULTIPLE = 8
@@ -100,9 +104,15 @@ def policy_config(config: RunConfig, model: TinyGPTConfig) -> PolicyConfig:
 
 
 def loss_fn(config: RunConfig) -> GRPOLoss:
-    """The GRPO loss of the config (with the sample mask, so filtered rows do not count)."""
-    loss = config.grpo.loss
-    return GRPOLoss(clip_low=loss.clip_low, clip_high=loss.clip_high, kl_coef=loss.kl_coef, sample_mask=True)
+    """The GRPO loss of the config (with the sample mask, so filtered rows do not count; async: decoupled)."""
+    loss, settings = config.grpo.loss, config.grpo.async_
+    return GRPOLoss(
+        clip_low=loss.clip_low,
+        clip_high=loss.clip_high,
+        kl_coef=loss.kl_coef,
+        sample_mask=True,
+        is_cap=settings.is_cap if settings.enabled else None,
+    )
 
 
 @attrs.frozen
@@ -114,11 +124,6 @@ class MeteredFactory:
 
     def __call__(self) -> MeteredClient:
         return MeteredClient(self.inner(), verify_integrity=self.verify_integrity)
-
-
-def carry_bytes(carry: RolloutCarry) -> int:
-    """The carry's size as it crosses to the driver: its pickled bytes (Ray pickles it so)."""
-    return len(pickle.dumps(carry, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 # ---------------------------------------------------------------- the trainer
@@ -133,7 +138,8 @@ class StepError(RuntimeError):
 
 
 class GRPOTrainer:
-    """GRPO on Ray: a rollout engine, megatron policy workers, and (by default) a store for the bulk rows.
+    """GRPO on Ray: a rollout engine (or, async, a rollout collector and a replay buffer), megatron policy
+    workers, and (by default) a store for the bulk rows.
 
     Args:
         config: a checked run config (:func:`shell.run_config.load_run_config`).
@@ -168,9 +174,10 @@ class GRPOTrainer:
         self.client: MeteredClient | None = None
         self.transport: Transport | None = None
         self.policy: Policy | None = None
-        self.rollout: WorkerGroup | None = None
+        self.source: StepSource | None = None
         self.timer = PhaseTimer()
         self.run_id = uuid.uuid4().hex[:8]  # prefixes the store keys: runs sharing a partition never collide
+        self.key_prefix = self.run_id + "-"
 
     # ------------------------------------------------------------ life cycle
 
@@ -182,7 +189,7 @@ class GRPOTrainer:
         self.close()
 
     def start(self, on_status: Callable[[str], None] | None = None) -> None:
-        """Start (or join) Ray, the store, the policy workers and the rollout engine.
+        """Start (or join) Ray, the store, the policy workers and the rollout engine (async: collector and buffer).
 
         Raises:
             WorkerError: a worker failed to start.
@@ -190,21 +197,16 @@ class GRPOTrainer:
         say = on_status or (lambda _message: None)
         self._owns_ray = connect_ray(self.config.ray, say) or self._owns_ray
         transport = self.transport = self._open_transport(say)
-        say(f"starting {self.policy_config.sharding.world_size} policy workers and the rollout engine")
+        generator = "a rollout collector and a replay buffer" if self.config.grpo.async_.enabled else "the rollout engine"
+        say(f"starting {self.policy_config.sharding.world_size} policy workers and {generator}")
         self.policy = Policy(self.policy_config, transport)
-        self.rollout = WorkerGroup(
-            RolloutWorker,
-            NamedSharding({"data_parallel": 1}),
-            init_args=(
-                RolloutConfig(self.model, self.config.seed, self.task, self.config.grpo.temperature),
-                transport.client_factory,
-            ),
-            backend="gloo",
-            num_cpus_per_worker=self.config.policy.num_cpus_per_worker,
-            timeout_s=self.config.policy.timeout_s,
-            name_prefix=f"rollout-{os.getpid()}",
+        self.source = build_source(
+            self.config,
+            self.task,
+            RolloutConfig(self.model, self.config.seed, self.task, self.config.grpo.temperature),
+            transport,
+            key_prefix=self.key_prefix,
         )
-        self.rollout.call(RolloutWorker.setup)
 
     def _open_transport(self, say: Callable[[str], None]) -> Transport:
         """The legacy transport, or the data plane over a started (or given) store."""
@@ -241,7 +243,7 @@ class GRPOTrainer:
     def close(self) -> None:
         """Clear the open step's keys, stop every actor, close the store and an embedded Ray. Idempotent, best effort."""
         errors: list[BaseException] = []
-        for action in (self._abort_step, self._stop_rollout, self._stop_policy, self._close_store):
+        for action in (self._abort_step, self._stop_source, self._stop_policy, self._sweep_keys, self._close_store):
             try:
                 action()
             except Exception as error:  # keep shutting down; report the first problem afterwards
@@ -256,9 +258,18 @@ class GRPOTrainer:
         if self.transport is not None:
             self.transport.abort()
 
-    def _stop_rollout(self) -> None:
-        if self.rollout is not None:
-            self.rollout.shutdown()
+    def _stop_source(self) -> None:
+        if self.source is not None:
+            self.source.close()
+
+    def _sweep_keys(self) -> None:
+        """Clear every key of this run still in the partition (a dead actor's half-written batch included)."""
+        client = self.client
+        if client is None:
+            return
+        mine = [k for k in client.list_keys(self.partition) if k.startswith(self.key_prefix)]
+        if mine:
+            client.clear(mine, self.partition)
 
     def _stop_policy(self) -> None:
         if self.policy is not None:
@@ -276,10 +287,10 @@ class GRPOTrainer:
         return self._policy.state_dict()
 
     def load_policy_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Load full weights into every policy rank and the rollout engine (``--resume``)."""
+        """Load full weights into every policy rank and the generator (``--resume``; before the first step)."""
         ref = ray.put(dict(state))
         self._policy.load_state_dict(ref)
-        self._rollout.call(RolloutWorker.load_weights, ref)
+        self._source.load_weights(ref)
 
     @property
     def _policy(self) -> Policy:
@@ -288,10 +299,10 @@ class GRPOTrainer:
         return self.policy
 
     @property
-    def _rollout(self) -> WorkerGroup:
-        if self.rollout is None:
+    def _source(self) -> StepSource:
+        if self.source is None:
             raise RuntimeError("the trainer is not started: call trainer.start() first")
-        return self.rollout
+        return self.source
 
     @property
     def _transport(self) -> Transport:
@@ -306,21 +317,27 @@ class GRPOTrainer:
 
         Raises:
             StepError: DAPO found too few varying groups (the step's keys are cleared).
-            WorkerError: a worker or the rollout engine failed (the step's keys are cleared).
+            WorkerError: a worker, the rollout engine, the collector or the buffer failed
+                (the step's keys are cleared).
         """
         try:
             return self._step(step)
+        except NotEnoughGroups as error:
+            with contextlib.suppress(Exception):
+                self._abort_step()
+            raise StepError(step, str(error)) from None
         except BaseException:
             with contextlib.suppress(Exception):  # the step's own error is the one to report
                 self._abort_step()
             raise
 
     def _step(self, step: int) -> dict[str, Any]:
-        """One GRPO step, the same script on either transport (only ``self.transport`` differs)."""
+        """One GRPO step, the same script on either transport and either source."""
         self.timer.reset()
         start = time.perf_counter()
         policy, transport, g = self._policy, self._transport, self.config.grpo
-        batches, rows, carry = self._generate(step)
+        taken = self._source.next_input(step, transport, self.timer)
+        rows, carry = taken.rows, taken.carry
         with self.timer.phase("advantages"):
             plan = plan_advantages(
                 carry,
@@ -335,100 +352,44 @@ class GRPOTrainer:
         with self.timer.phase("write"):
             advantages = torch.tensor(plan.advantages, dtype=torch.float32)
             sample_mask = torch.tensor(plan.sample_mask, dtype=torch.float32)
-            rows = transport.write(rows, {ADVANTAGES: advantages, SAMPLE_MASK: sample_mask})
+            rows = transport.write(rows, {ADVANTAGES: advantages, SAMPLE_MASK: sample_mask, **taken.columns})
         with self.timer.phase("train"):
             result = policy.train(rows, self.loss)
         with self.timer.phase("refit"):
-            policy.push_weights(self._rollout.actors[0])
+            self._source.refit(policy)
         with self.timer.phase("finish"):
             report = transport.finish(rows)
-        return self._record(step, start, batches, carry, result, report)
+        return self._record(step, start, taken, result, report)
 
-    def _generate(self, step: int) -> tuple[list[RolloutResult], StepRows, RolloutCarry]:
-        """Generation batches until the step has its groups (one batch unless DAPO drops some)."""
-        g = self.config.grpo
-        target = g.num_prompts_per_step
-        dapo = g.dapo.enabled
-        limit = g.dapo.max_generation_batches if dapo else 1
-        rows: StepRows | None = None
-        carry: RolloutCarry | None = None
-        batches: list[RolloutResult] = []
-        kept_groups = 0
-        for batch_index in range(limit):
-            prompts = self.task.prompts(self.config.seed, step * limit + batch_index, target)
-            with self.timer.phase("rollout"):
-                (result,) = self._rollout.call(
-                    RolloutWorker.generate,
-                    prompts,
-                    step=step,
-                    batch_index=batch_index,
-                    num_generations=g.num_generations_per_prompt,
-                    partition_id=self._transport.partition_id,
-                    num_texts=self.config.run.samples_to_log,
-                    key_prefix=self.run_id + "-",
-                )
-            batches.append(result)
-            self._transport.admit(result.rows, result.store_io)
-            keep: Sequence[int] = range(result.carry.size)
-            if dapo:
-                with self.timer.phase("dapo"):
-                    keep = dapo_selection(result.carry, max_groups=target - kept_groups)
-                    kept = set(keep)
-                    dropped = [i for i in range(result.carry.size) if i not in kept]
-                    if dropped:
-                        self._transport.discard(result.rows.subset(dropped))
-            if keep:
-                new_rows, new_carry = result.rows.subset(keep), result.carry.subset(keep)
-                rows = new_rows if rows is None else rows.concat(new_rows)
-                carry = new_carry if carry is None else carry.concat(new_carry)
-                kept_groups += group_count(new_carry)
-            if rows is not None and carry is not None and (not dapo or kept_groups >= target):
-                return batches, rows, carry
-        raise StepError(
-            step,
-            f"DAPO dynamic sampling kept {kept_groups} of {target} groups after {limit} generation batches "
-            f"(every other group's rewards were all equal); raise grpo.dapo.max_generation_batches "
-            f"(now {limit}) or disable grpo.dapo.enabled",
-        )
-
-    def _record(
-        self,
-        step: int,
-        start: float,
-        batches: Sequence[RolloutResult],
-        carry: RolloutCarry,
-        result: TrainResult,
-        report: TransportReport,
-    ) -> dict[str, Any]:
+    def _record(self, step: int, start: float, taken: StepInput, result: TrainResult, report: TransportReport) -> dict[str, Any]:
         """The step's metrics record (one line of ``metrics.jsonl``)."""
-        all_rewards = [r for b in batches for r in b.carry.rewards]
+        carry = taken.carry
         metrics = [m for rank in result.micro_batch_metrics for per_step in rank for m in per_step]
         kl = [m["kl"] for m in metrics if "kl" in m]
-        first = batches[0]
+        generated = taken.generated_rewards
         return {
             "step": step,
-            "reward_mean": sum(all_rewards) / len(all_rewards),
+            "reward_mean": sum(generated) / len(generated),
             "reward_mean_trained": sum(carry.rewards) / carry.size,
-            "entropy": step_entropy(batches),
+            "entropy": mean_token_entropy(taken.entropy, taken.response_tokens),
+            "zero_variance_group_frac": zero_variance_group_fraction(carry),
             "loss": sum(result.loss) / len(result.loss),
             "kl": sum(kl) / len(kl) if kl else 0.0,
             "grad_norm": sum(result.grad_norm) / len(result.grad_norm),
             "optimizer_steps": len(result.loss),
             "step_time_s": time.perf_counter() - start,
             **{f"phase_{name}_s": value for name, value in self.timer.durations().items()},
+            **taken.metrics,
             "data_plane_ms": report.store_ms,
             "data_plane_bytes": report.store_bytes,
             # what crossed the driver: every batch's carry, plus what the transport moved through it
-            "driver_bytes": sum(carry_bytes(b.carry) for b in batches) + report.driver_bytes,
+            "driver_bytes": taken.carry_bytes + report.driver_bytes,
             "store_keys_outstanding": report.keys_outstanding,
             "rows": carry.size,
-            "generation_batches": len(batches),
+            "generation_batches": taken.generation_batches,
             "truncated_frac": sum(carry.truncated) / carry.size,
             "sequence_tokens_mean": sum(carry.lengths) / carry.size,
-            "samples": [
-                {"prompt_id": int(pid), "response": text, "reward": float(r)}
-                for pid, text, r in zip(first.carry.prompt_ids, first.responses, first.carry.rewards)
-            ][: self.config.run.samples_to_log],
+            "samples": [dict(sample) for sample in taken.samples],
         }
 
     # ------------------------------------------------------------ checkpoints

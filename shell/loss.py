@@ -1,7 +1,9 @@
 """``GRPOLoss``: the GRPO loss as a picklable ``loss_fn`` for a policy backend's train step.
 
 The math is :func:`core.grpo.clipped_policy_loss` (plus ``kl_coef`` times the
-masked k3 KL to the reference policy); this module only binds it to the
+masked k3 KL to the reference policy), or, for async GRPO (``is_cap`` set),
+:func:`core.off_policy.decoupled_policy_loss` with the behaviour log-probs of
+:func:`core.off_policy.behaviour_logprobs`; this module only binds it to the
 field names a micro-batch carries (:mod:`core.fields`) and makes it a
 picklable callable for the backend's train step.
 
@@ -18,8 +20,11 @@ from typing import Any
 import attrs
 import torch
 
-from core.fields import ADVANTAGES, PREV_LOGPROBS, REFERENCE_LOGPROBS, SAMPLE_MASK, TOKEN_MASK
+from core.fields import (
+    ADVANTAGES, GENERATION_LOGPROBS, PREV_LOGPROBS, REFERENCE_LOGPROBS, SAMPLE_MASK, TOKEN_MASK, VERSION_LAG,
+)
 from core.grpo import clipped_policy_loss, kl_k3, masked_mean
+from core.off_policy import behaviour_logprobs, decoupled_policy_loss
 
 
 def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -40,6 +45,12 @@ class GRPOLoss:
             reference log-probs unread.
         sample_mask: also read ``sample_mask`` (FloatTensor[B]) and count only
             the tokens of rows whose mask is non-zero (e.g. the overlong filter).
+        is_cap: None: on-policy GRPO. A number (>= 1): the decoupled off-policy
+            objective of async GRPO; also read ``generation_logprobs`` (the
+            behaviour policy's) and ``version_lag`` (FloatTensor[B]); the
+            proximal policy is ``prev_logprobs``, and the importance weight
+            ``exp(prev - behaviour)`` is truncated at ``is_cap``. Rows with lag
+            0 were sampled by the proximal weights themselves: their weight is exactly 1.
 
     Raises:
         TypeError: a coefficient is not a number.
@@ -55,6 +66,16 @@ class GRPOLoss:
     clip_high: float = attrs.field(default=0.2, validator=_non_negative)
     kl_coef: float = attrs.field(default=0.0, validator=_non_negative)
     sample_mask: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    is_cap: float | None = attrs.field(default=None)
+
+    @is_cap.validator
+    def _check_is_cap(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"'is_cap' must be a float >= 1 or None: got {type(value).__name__}")
+        if not value >= 1 or value == float("inf"):
+            raise ValueError(f"'is_cap' must be a finite float >= 1 or None: got {value}")
 
     @property
     def input_fields(self) -> tuple[str, ...]:
@@ -62,6 +83,8 @@ class GRPOLoss:
         fields = (PREV_LOGPROBS, ADVANTAGES, TOKEN_MASK)
         if self.sample_mask:
             fields += (SAMPLE_MASK,)
+        if self.is_cap is not None:
+            fields += (GENERATION_LOGPROBS, VERSION_LAG)
         return fields + (REFERENCE_LOGPROBS,) if self.kl_coef > 0 else fields
 
     def __call__(self, logprobs: torch.Tensor, micro_batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -77,14 +100,28 @@ class GRPOLoss:
         if self.sample_mask:
             rows = micro_batch[SAMPLE_MASK]
             mask = mask.to(rows.dtype) * rows.reshape(-1, *([1] * (mask.dim() - 1)))
-        loss, metrics = clipped_policy_loss(
-            logprobs,
-            micro_batch[PREV_LOGPROBS],
-            micro_batch[ADVANTAGES],
-            mask,
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-        )
+        if self.is_cap is None:
+            loss, metrics = clipped_policy_loss(
+                logprobs,
+                micro_batch[PREV_LOGPROBS],
+                micro_batch[ADVANTAGES],
+                mask,
+                clip_low=self.clip_low,
+                clip_high=self.clip_high,
+            )
+        else:
+            proximal = micro_batch[PREV_LOGPROBS]
+            behaviour = behaviour_logprobs(micro_batch[GENERATION_LOGPROBS], proximal, micro_batch[VERSION_LAG])
+            loss, metrics = decoupled_policy_loss(
+                logprobs,
+                proximal,
+                behaviour,
+                micro_batch[ADVANTAGES],
+                mask,
+                clip_low=self.clip_low,
+                clip_high=self.clip_high,
+                is_cap=self.is_cap,
+            )
         out = {name: float(value) for name, value in metrics.items()}
         if self.kl_coef > 0:
             kl = masked_mean(kl_k3(logprobs, micro_batch[REFERENCE_LOGPROBS]), mask)

@@ -6,8 +6,10 @@ For each prompt it samples ``num_generations`` responses at the configured
 temperature, scores them with the task, and then either
 
 * data plane (a ``partition_id``): does the step's single bulk write
-  (:func:`shell.column_io.first_write`) under keys ``f"{uid}_g{i}"`` and
-  returns only the receipt and the carry; or
+  (:func:`shell.column_io.first_write`) under keys ``f"{uid}_g{i}"`` (with,
+  for the async trainer, each key tagged with its ``weight_version`` and the
+  behaviour policy's per-token ``generation_logprobs`` written beside the
+  tokens) and returns only the receipt and the carry; or
 * legacy (no partition): returns the same keys and lengths plus the bulk batch
   itself, which then travels through the driver.
 
@@ -26,8 +28,7 @@ import torch
 
 from adapters.model_port import PolicyBackend
 from adapters.rows import build_tensordict
-from core.entropy import mean_token_entropy
-from core.fields import INPUT_IDS, LENGTHS, TOKEN_MASK
+from core.fields import GENERATION_LOGPROBS, INPUT_IDS, LENGTHS, TOKEN_MASK, WEIGHT_VERSION
 from core.meta import KVBatchMeta
 from core.model_config import TinyGPTConfig
 from core.rollout_carry import RolloutCarry
@@ -40,7 +41,8 @@ from shell.run_task import checked_rewards
 from shell.step_rows import StepRows
 from shell.worker import on_all_ranks
 
-ROLLOUT_TOKEN_FIELDS: tuple[str, ...] = (INPUT_IDS, TOKEN_MASK)
+ROLLOUT_TOKEN_FIELDS: tuple[str, ...] = (INPUT_IDS, TOKEN_MASK, GENERATION_LOGPROBS)
+"""The per-token fields a rollout can write (``generation_logprobs`` only when asked to)."""
 
 _SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
@@ -104,17 +106,6 @@ class RolloutResult:
     response_tokens: tuple[int, ...]
 
 
-def step_entropy(results: Sequence[RolloutResult]) -> float:
-    """The mean sampling entropy (nats) per generated token over every row of ``results`` (a step's batches).
-
-    Raises:
-        ValueError: ``results`` holds no generated token.
-    """
-    return mean_token_entropy(
-        [h for r in results for h in r.entropy], [n for r in results for n in r.response_tokens]
-    )
-
-
 class RolloutWorker(ModelWorker):
     """The rollout engine (see the module docstring); call ``setup`` once after the group starts.
 
@@ -158,6 +149,9 @@ class RolloutWorker(ModelWorker):
         partition_id: str | None,
         num_texts: int = 0,
         key_prefix: str = "",
+        uids: Sequence[str] | None = None,
+        weight_version: int | None = None,
+        record_logprobs: bool = False,
     ) -> RolloutResult:
         """Sample ``num_generations`` responses per prompt, score them, and write or return the batch.
 
@@ -173,15 +167,23 @@ class RolloutWorker(ModelWorker):
             partition_id: the store partition to write (data plane); None returns the batch (legacy).
             num_texts: decode the responses of the first ``num_texts`` rows (for logging).
             key_prefix: put before every key (e.g. a run id, so runs sharing a partition never collide).
+            uids: one key stem per prompt instead of ``f"{key_prefix}s{step}b{batch_index}p{j}"``
+                (the async collector's ``v{version}_b{seq}_p{j}``; ``key_prefix`` is not added).
+            weight_version: tag every key with ``weight_version`` (the version of the weights sampling now).
+            record_logprobs: also write (or return) ``generation_logprobs`` [N, S], each response
+                token's log-probability under the distribution it was drawn from.
 
         Raises:
-            ValueError: no prompts, ``num_generations`` < 1, or a data-plane write without a client.
+            ValueError: no prompts, ``num_generations`` < 1, ``uids`` not one per prompt, or a
+                data-plane write without a client.
         """
         task: Task = self.config.task
         if not prompts:
             raise ValueError("'prompts' must hold at least one prompt: got 0")
         if num_generations < 1:
             raise ValueError(f"'num_generations' must be >= 1: got {num_generations}")
+        if uids is not None and len(uids) != len(prompts):
+            raise ValueError(f"'uids' must have {len(prompts)} entries (one per prompt): got {len(uids)}")
         if partition_id is not None and self._client is None:
             raise ValueError("a data-plane rollout needs a store client: build the worker with a client_factory")
         encoded = [task.prompt_ids(p) for p in prompts for _ in range(num_generations)]
@@ -217,10 +219,14 @@ class RolloutWorker(ModelWorker):
         )
         text = tuple(task.tokenizer.decode(r) for r in responses[:num_texts])
         columns = {INPUT_IDS: sequences, TOKEN_MASK: token_mask}
-        keys = [key for j in range(len(prompts)) for key in row_keys(f"{key_prefix}s{step}b{batch_index}p{j}", num_generations)]
+        if record_logprobs:
+            columns[GENERATION_LOGPROBS] = generation.logprobs
+        stems = list(uids) if uids is not None else [f"{key_prefix}s{step}b{batch_index}p{j}" for j in range(len(prompts))]
+        keys = [key for stem in stems for key in row_keys(stem, num_generations)]
+        tags = None if weight_version is None else [{WEIGHT_VERSION: int(weight_version)} for _ in keys]
         if partition_id is None:
             batch = build_tensordict({**columns, LENGTHS: lengths}, len(encoded))
-            meta = KVBatchMeta(LEGACY_PARTITION, keys, fields=list(columns), sequence_lengths=lengths.tolist())
+            meta = KVBatchMeta(LEGACY_PARTITION, keys, fields=list(columns), sequence_lengths=lengths.tolist(), tags=tags)
             return RolloutResult(carry, StepRows(meta, batch), {"ms": 0.0, "bytes": 0.0}, text, entropy, response_tokens)
         meta = first_write(
             self._client,  # type: ignore[arg-type]
@@ -228,6 +234,7 @@ class RolloutWorker(ModelWorker):
             keys=keys,
             partition_id=partition_id,
             lengths=lengths.tolist(),
-            token_fields=ROLLOUT_TOKEN_FIELDS,
+            token_fields=[name for name in ROLLOUT_TOKEN_FIELDS if name in columns],
+            tags=tags,
         )
         return RolloutResult(carry, StepRows(meta), client_io(self._client), text, entropy, response_tokens)

@@ -88,12 +88,11 @@ def _write_processes(trainer: Any, path: Path) -> None:
     from shell.worker import Worker
 
     policy = trainer.policy.group if trainer.policy is not None else None
-    rollout = trainer.rollout
     info: dict[str, Any] = {"driver": os.getpid()}
     if policy is not None:
         info["policy"] = {str(rank): pid for rank, pid in enumerate(policy.call(Worker.process_id))}
-    if rollout is not None:
-        info["rollout"] = rollout.call(Worker.process_id)[0]
+    if trainer.source is not None:
+        info.update(trainer.source.process_ids())
     path.write_text(json.dumps(info, indent=1) + "\n")
 
 
@@ -123,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = config.grpo.num_steps
     mode = config.run.progress
     path = "data plane (" + config.data_plane.backend.value + ")" if config.data_plane.enabled else "legacy"
+    if config.grpo.async_.enabled:
+        path += f", async (max_staleness={config.grpo.async_.max_staleness})"
     console.print(f"GRPO: {total} steps, {path}, output in {escape(str(run_dir))}", highlight=False)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     step = first - 1

@@ -35,6 +35,7 @@ from shell.config_schema import (
     RunConfig,
     StoreBackend,
     cluster_cpus,
+    config_key,
     schema_fields,
 )
 from shell.config_yaml import Tree, dump, override_node, read_document, read_value, set_path
@@ -59,7 +60,7 @@ def _unknown(name: str, prefix: str, names: Sequence[str]) -> ConfigError:
 
 def _check_known(cls: type, tree: Tree, prefix: str) -> None:
     """Every key of ``tree`` is a key of ``cls`` (checked before any value, so a typo is named first)."""
-    fields = {a.name: a for a in schema_fields(cls)}
+    fields = schema_fields(cls)
     for name, value in tree.items():
         if name not in fields:
             raise _unknown(name, prefix, list(fields))
@@ -72,23 +73,23 @@ def _build(cls: type, tree: Tree, prefix: str, source: str) -> Any:
     if not prefix:
         _check_known(cls, tree, prefix)
     values: dict[str, Any] = {}
-    for attribute in schema_fields(cls):
-        key = f"{prefix}{attribute.name}"
+    for name, attribute in schema_fields(cls).items():
+        key = f"{prefix}{name}"
         section = attribute.metadata.get("section")
-        if attribute.name not in tree and section is None:
+        if name not in tree and section is None:
             raise ConfigError(key, f"has no value: set it in {source} or as {key}=...")
-        value = tree.get(attribute.name, {})
+        value = tree.get(name, {})
         if section is None:
-            values[attribute.name] = read_value(attribute.type, value, key)
+            values[attribute.alias] = read_value(attribute.type, value, key)
         elif isinstance(value, dict):
-            values[attribute.name] = _build(section, value, f"{key}.", source)
+            values[attribute.alias] = _build(section, value, f"{key}.", source)
         else:
             raise _not_a_value(key, section)
     return cls(**values)
 
 
 def _not_a_value(key: str, section: type) -> ConfigError:
-    names = [a.name for a in schema_fields(section)]
+    names = list(schema_fields(section))
     return ConfigError(key, f"is a section with keys {', '.join(names)}: set one, e.g. {key}.{names[0]}=...")
 
 
@@ -101,7 +102,7 @@ def _attribute(key: str) -> attrs.Attribute:
     cls, prefix = RunConfig, ""
     parts = key.split(".")
     for depth, part in enumerate(parts):
-        fields = {a.name: a for a in schema_fields(cls)}
+        fields = schema_fields(cls)
         if part not in fields:
             raise _unknown(part, prefix, list(fields))
         found = fields[part]
@@ -135,7 +136,7 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
         section = attribute.metadata.get("section")
         if section is not None:
             raise _not_a_value(key, section)
-        kind = attribute.type if attribute.name == key.rsplit(".", 1)[-1] else Any
+        kind = attribute.type if config_key(attribute) == key.rsplit(".", 1)[-1] else Any
         branch = out
         *parents, leaf = key.split(".")
         for part in parents:
@@ -207,16 +208,16 @@ def run_config_from_dict(data: Mapping[str, Any]) -> RunConfig:
 def run_config_to_dict(config: Any) -> dict[str, Any]:
     """``config`` (or one of its sections) as nested plain values: enums as their names, mappings as dicts."""
     out: dict[str, Any] = {}
-    for attribute in schema_fields(type(config)):
+    for key, attribute in schema_fields(type(config)).items():
         value = getattr(config, attribute.name)
         if "section" in attribute.metadata:
-            out[attribute.name] = run_config_to_dict(value)
+            out[key] = run_config_to_dict(value)
         elif isinstance(value, enum.Enum):
-            out[attribute.name] = value.value
+            out[key] = value.value
         elif isinstance(value, FrozenDict):
-            out[attribute.name] = dict(value)
+            out[key] = dict(value)
         else:
-            out[attribute.name] = value
+            out[key] = value
     return out
 
 
@@ -233,7 +234,8 @@ def save_run_config(config: RunConfig, path: str | Path) -> Path:
 
 
 def select(config: RunConfig, key: str) -> Any:
-    """The value at dotted ``key`` (``select(config, "policy.layout.data_parallel")``).
+    """The value at dotted ``key`` (``select(config, "policy.layout.data_parallel")``), by YAML key:
+    ``select(config, "grpo.async.enabled")`` is ``config.grpo.async_.enabled``.
 
     Raises:
         ConfigError: ``key`` is not a config key.
@@ -241,7 +243,7 @@ def select(config: RunConfig, key: str) -> Any:
     _attribute(key)
     node: Any = config
     for part in key.split("."):
-        node = getattr(node, part)
+        node = getattr(node, schema_fields(type(node))[part].name) if attrs.has(type(node)) else node[part]
     return node
 
 
@@ -256,8 +258,8 @@ def describe_keys(defaults: RunConfig | None = None) -> Iterator[tuple[str, str,
 
 
 def _describe(cls: type, values: Any, prefix: str) -> Iterator[tuple[str, str, str]]:
-    for attribute in schema_fields(cls):
-        key, value = f"{prefix}{attribute.name}", getattr(values, attribute.name)
+    for name, attribute in schema_fields(cls).items():
+        key, value = f"{prefix}{name}", getattr(values, attribute.name)
         if "section" in attribute.metadata:
             yield from _describe(attribute.metadata["section"], value, f"{key}.")
         else:

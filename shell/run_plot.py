@@ -1,9 +1,13 @@
-"""The run's figure (``reward.png``): reward per step over stacked phase seconds per step.
+"""The run's figures: ``reward.png`` (reward per step, stacked phase seconds per step, reward over wall-clock
+seconds) and a comparison of several runs (reward per step and over wall-clock seconds, one line per run).
 
-``plot_run`` reads records (as :mod:`shell.run_log` writes them) and draws
-them on its own Agg canvas, never through ``pyplot``'s global state.
+``plot_run`` and ``plot_compare`` read records (as :mod:`shell.run_log`
+writes them) and draw them on their own Agg canvas, never through
+``pyplot``'s global state. ``wall_clock`` gives the x of the wall-clock panels:
+the cumulative ``step_time_s`` in step order, so a sync and an async run are
+compared by the seconds of training they took.
 
-Invariant: the figure depends only on the records as a set: they are drawn
+Invariant: a run's figure depends only on its records as a set: they are drawn
 in step order whatever order they come in, a missing or ``None`` value is a
 gap, and the records are never changed.
 """
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib import colormaps
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -30,7 +35,71 @@ from shell.run_log import (
     record_step,
 )
 
-__all__ = ["plot_run"]
+__all__ = ["plot_compare", "plot_run", "wall_clock"]
+
+Ordered = list[tuple[int, str, Mapping[str, Any]]]
+"""Records in step order, each as ``(step, where, record)``; ``where`` names it in errors (``records[3]``)."""
+
+CLOCK_LABEL = "training seconds (cumulative step_time_s)"
+
+
+def _check_window(window: int) -> None:
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"'window' must be an int number of steps: got {type(window).__name__}")
+    if window < 1:
+        raise ValueError(f"'window' must be >= 1 step: got {window}")
+
+
+def _ordered(records: Sequence[Mapping[str, Any]], name: str, required: tuple[str, ...]) -> Ordered:
+    """``records`` checked (a non-empty sequence of mappings, each with the ``required`` keys) and sorted by step."""
+    if isinstance(records, (str, bytes)) or not isinstance(records, Sequence):
+        raise TypeError(f"'{name}' must be a sequence of record mappings: got {type(records).__name__}")
+    if len(records) == 0:
+        raise ValueError(f"'{name}' must hold at least one record to plot: got 0")
+    for i, record in enumerate(records):
+        if not isinstance(record, Mapping):
+            raise TypeError(f"'{name}[{i}]' must be a mapping: got {type(record).__name__}")
+        for key in required:
+            if key not in record:
+                raise ValueError(f"'{name}[{i}]' must have a '{key}' key: got keys {sorted(record)}")
+    return sorted((record_step(record, f"{name}[{i}]"), f"{name}[{i}]", record) for i, record in enumerate(records))
+
+
+def _clock(ordered: Ordered) -> list[float]:
+    """Cumulative ``step_time_s`` at each record, in step order; NaN (a gap) where the record has none."""
+    total, out = 0.0, []
+    for _, where, record in ordered:
+        seconds = record_number(record, STEP_TIME_KEY, where)
+        if math.isfinite(seconds):
+            total += seconds
+            out.append(total)
+        else:
+            out.append(math.nan)
+    return out
+
+
+def wall_clock(records: Sequence[Mapping[str, Any]]) -> list[tuple[int, float]]:
+    """``(step, seconds of training so far)`` per record, in step order: the running sum of ``step_time_s``.
+
+    A record without a finite ``step_time_s`` (missing, ``None``) is a gap: its
+    seconds are NaN and it adds nothing to the sum.
+
+    Args:
+        records: a run's records, in any order, e.g. ``read_metrics(path)``.
+
+    Returns:
+        One pair per record, sorted by step.
+
+    Raises:
+        TypeError: ``records`` is not a sequence of mappings, or a step or ``step_time_s`` is not a number.
+        ValueError: ``records`` is empty or a record lacks ``step``.
+
+    Example:
+        >>> wall_clock([{"step": 2, "step_time_s": 3.0}, {"step": 1, "step_time_s": 1.5}, {"step": 3}])
+        [(1, 1.5), (2, 4.5), (3, nan)]
+    """
+    ordered = _ordered(records, "records", (STEP_KEY,))
+    return [(step, seconds) for (step, _, _), seconds in zip(ordered, _clock(ordered))]
 
 
 def _rolling_mean(values: Sequence[float], window: int) -> list[float]:
@@ -42,6 +111,31 @@ def _rolling_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
+def _rewards(ordered: Ordered) -> list[float]:
+    return [record_number(record, REWARD_KEY, where) for _, where, record in ordered]
+
+
+def _reward_limits(axes: Axes, rewards: Sequence[float]) -> None:
+    """y from 0 to ``max(1, max reward)`` (down to the lowest reward when one is negative)."""
+    finite = [r for r in rewards if math.isfinite(r)]
+    low, high = min([0.0, *finite]), max([1.0, *finite])
+    pad = 0.02 * (high - low)
+    axes.set_ylim(low - pad, high + pad)
+    axes.set_ylabel(REWARD_KEY)
+    axes.grid(True, alpha=0.3)
+
+
+def _no_clock(axes: Axes) -> None:
+    axes.text(0.5, 0.5, f"no {STEP_TIME_KEY} in records", ha="center", va="center", transform=axes.transAxes)
+
+
+def _save(figure: Figure, path: PathLike, dpi: int) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, format="png", dpi=dpi)
+    return out
+
+
 def plot_run(
     records: Sequence[Mapping[str, Any]],
     path: PathLike,
@@ -50,21 +144,24 @@ def plot_run(
     window: int = 5,
     dpi: int = 100,
 ) -> Path:
-    """Write a PNG of a run: reward per step (top) and stacked phase seconds per step (bottom).
+    """Write a PNG of a run: reward per step (top), stacked phase seconds per step (middle), reward over
+    wall-clock seconds (bottom).
 
     Top: ``reward_mean`` per step as points plus a trailing rolling mean over
     ``window`` steps; y spans 0 to ``max(1, max reward)`` (down to the lowest
-    reward when one is negative). Bottom: one stacked bar per step of its
+    reward when one is negative). Middle: one stacked bar per step of its
     ``phase_<name>_s`` seconds, plus an ``other`` segment for the part of
-    ``step_time_s`` no phase covers. Records are drawn in step order; a missing
-    or ``None`` value is a gap.
+    ``step_time_s`` no phase covers. Bottom: the same rewards and rolling mean
+    at :func:`wall_clock` seconds (cumulative ``step_time_s``), to compare runs
+    of different speeds. Records are drawn in step order; a missing or
+    ``None`` value is a gap.
 
     Args:
         records: the run's records, e.g. ``read_metrics(path)``.
         path: the PNG to write (parent folders are created).
         title: the figure's title, e.g. the run name.
         window: the rolling-mean window, in steps.
-        dpi: resolution; the figure is 9 x 6 inches.
+        dpi: resolution; the figure is 9 x 8 inches.
 
     Returns:
         ``path`` as a ``Path``.
@@ -78,25 +175,12 @@ def plot_run(
         >>> plot_run(read_metrics("runs/demo/metrics.jsonl"), "runs/demo/run.png", title="demo")  # doctest: +SKIP
         PosixPath('runs/demo/run.png')
     """
-    if isinstance(records, (str, bytes)) or not isinstance(records, Sequence):
-        raise TypeError(f"'records' must be a sequence of record mappings: got {type(records).__name__}")
-    if len(records) == 0:
-        raise ValueError("'records' must hold at least one record to plot: got 0")
-    if isinstance(window, bool) or not isinstance(window, int):
-        raise TypeError(f"'window' must be an int number of steps: got {type(window).__name__}")
-    if window < 1:
-        raise ValueError(f"'window' must be >= 1 step: got {window}")
-    for i, record in enumerate(records):
-        if not isinstance(record, Mapping):
-            raise TypeError(f"'records[{i}]' must be a mapping: got {type(record).__name__}")
-        for key in (STEP_KEY, REWARD_KEY):
-            if key not in record:
-                raise ValueError(f"'records[{i}]' must have a '{key}' key: got keys {sorted(record)}")
-    ordered = sorted(
-        (record_step(record, f"records[{i}]"), f"records[{i}]", record) for i, record in enumerate(records)
-    )
+    ordered = _ordered(records, "records", (STEP_KEY, REWARD_KEY))
+    _check_window(window)
     steps = [step for step, _, _ in ordered]
-    rewards = [record_number(record, REWARD_KEY, where) for _, where, record in ordered]
+    rewards = _rewards(ordered)
+    rolling = _rolling_mean(rewards, window)
+    clock = _clock(ordered)
     phases: list[str] = []
     for _, _, record in ordered:
         phases.extend(key for key in phase_keys(record) if key not in phases)
@@ -106,18 +190,15 @@ def plot_run(
     covered = [math.fsum(values) for values in zip(*seconds.values())] if phases else [0.0] * len(ordered)
     other = [max(0.0, total - done) if math.isfinite(total) else 0.0 for total, done in zip(step_times, covered)]
 
-    figure = Figure(figsize=(9, 6), dpi=dpi, layout="constrained")
+    figure = Figure(figsize=(9, 8), dpi=dpi, layout="constrained")
     FigureCanvasAgg(figure)
-    top, bottom = figure.subplots(2, 1, sharex=True)
+    top, middle, bottom = figure.subplots(3, 1, height_ratios=[3, 2, 3])
+    middle.sharex(top)
+    top.tick_params(labelbottom=False)
 
     top.plot(steps, rewards, "o", markersize=3, alpha=0.6, label=REWARD_KEY)
-    top.plot(steps, _rolling_mean(rewards, window), "-", linewidth=2, label=f"rolling mean ({window} steps)")
-    finite = [r for r in rewards if math.isfinite(r)]
-    low, high = min([0.0, *finite]), max([1.0, *finite])
-    pad = 0.02 * (high - low)
-    top.set_ylim(low - pad, high + pad)
-    top.set_ylabel(REWARD_KEY)
-    top.grid(True, alpha=0.3)
+    top.plot(steps, rolling, "-", linewidth=2, label=f"rolling mean ({window} steps)")
+    _reward_limits(top, rewards)
     top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
 
     gaps = [b - a for a, b in zip(steps, steps[1:]) if b > a]
@@ -128,19 +209,99 @@ def plot_run(
     cmap = colormaps["tab20"]
     base = [0.0] * len(ordered)
     for index, (name, values) in enumerate(segments):
-        bottom.bar(steps, values, width=width, bottom=base, label=name, color=cmap(index % cmap.N))
+        middle.bar(steps, values, width=width, bottom=base, label=name, color=cmap(index % cmap.N))
         base = [b + v for b, v in zip(base, values)]
     if segments:
-        bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", title="phase")
+        middle.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", title="phase")
     else:
-        bottom.text(0.5, 0.5, "no phase timings in records", ha="center", va="center", transform=bottom.transAxes)
-    bottom.set_ylabel("seconds")
-    bottom.set_xlabel(STEP_KEY)
-    bottom.grid(True, axis="y", alpha=0.3)
+        middle.text(0.5, 0.5, "no phase timings in records", ha="center", va="center", transform=middle.transAxes)
+    middle.set_ylabel("seconds")
+    middle.set_xlabel(STEP_KEY)
+    middle.grid(True, axis="y", alpha=0.3)
+
+    bottom.plot(clock, rewards, "o", markersize=3, alpha=0.6, label=REWARD_KEY)
+    bottom.plot(clock, rolling, "-", linewidth=2, label=f"rolling mean ({window} steps)")
+    _reward_limits(bottom, rewards)
+    bottom.set_xlabel(CLOCK_LABEL)
+    if not any(math.isfinite(c) for c in clock):
+        _no_clock(bottom)
     if title is not None:
         figure.suptitle(str(title))
+    return _save(figure, path, dpi)
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format="png", dpi=dpi)
-    return path
+
+def plot_compare(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]],
+    path: PathLike,
+    *,
+    title: str | None = None,
+    window: int = 5,
+) -> Path:
+    """Write a PNG comparing runs: reward per step (top) and over wall-clock seconds (bottom), one line per run.
+
+    Each run is drawn as the trailing rolling mean of its ``reward_mean`` over
+    ``window`` steps, in step order, against its steps (top) and against its
+    :func:`wall_clock` seconds (bottom), e.g. a sync and an async run of the
+    same config. Colours and the legend follow the order of ``runs``; within a
+    run, the order of its records does not matter. A missing or ``None`` value
+    is a gap. The figure is 9 x 7 inches at 100 dpi.
+
+    Args:
+        runs: run label -> that run's records, e.g. ``{"sync": read_metrics(a), "async": read_metrics(b)}``.
+        path: the PNG to write (parent folders are created).
+        title: the figure's title.
+        window: the rolling-mean window, in steps.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        TypeError: ``runs`` is not a mapping of str labels to sequences of record mappings, ``window`` is
+            not an int, or a plotted value is not a number.
+        ValueError: ``runs`` is empty, a label is empty, a run has no records or a record lacks ``step`` or
+            ``reward_mean``, or ``window`` < 1.
+
+    Example:
+        >>> plot_compare({"sync": read_metrics("runs/sync/metrics.jsonl"),  # doctest: +SKIP
+        ...               "async": read_metrics("runs/async/metrics.jsonl")}, "docs/img/sync_async.png")
+        PosixPath('docs/img/sync_async.png')
+    """
+    if not isinstance(runs, Mapping):
+        raise TypeError(f"'runs' must be a mapping of run label to records: got {type(runs).__name__}")
+    if len(runs) == 0:
+        raise ValueError("'runs' must hold at least one run to plot: got 0")
+    for label in runs:
+        if not isinstance(label, str):
+            raise TypeError(f"'runs' labels must be str: got {type(label).__name__} {label!r}")
+        if not label:
+            raise ValueError("'runs' labels must be non-empty: got ''")
+    ordered = {label: _ordered(records, f"runs[{label!r}]", (STEP_KEY, REWARD_KEY)) for label, records in runs.items()}
+    _check_window(window)
+
+    dpi = 100
+    figure = Figure(figsize=(9, 7), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(figure)
+    top, bottom = figure.subplots(2, 1)
+    cmap = colormaps["tab10"]
+    every: list[float] = []
+    clocked = False
+    for index, (label, run) in enumerate(ordered.items()):
+        rewards = _rewards(run)
+        rolling = _rolling_mean(rewards, window)
+        clock = _clock(run)
+        color = cmap(index % cmap.N)
+        top.plot([step for step, _, _ in run], rolling, "-", linewidth=2, color=color, label=label)
+        bottom.plot(clock, rolling, "-", linewidth=2, color=color, label=label)
+        every += rewards
+        clocked = clocked or any(math.isfinite(c) for c in clock)
+    for axes in (top, bottom):
+        _reward_limits(axes, every)
+    top.set_xlabel(STEP_KEY)
+    top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
+               title=f"rolling mean ({window} steps)")
+    bottom.set_xlabel(CLOCK_LABEL)
+    if not clocked:
+        _no_clock(bottom)
+    if title is not None:
+        figure.suptitle(str(title))
+    return _save(figure, path, dpi)

@@ -117,6 +117,8 @@ class WorkerGroup:
         pg_timeout_s: the process group's own timeout for collectives.
         failure_grace_s: after a first failure, how long to wait for the other
             ranks' outcomes before raising (so simultaneous failures are counted).
+        max_concurrency: calls an actor runs at once, each in its own thread (1: one at a
+            time; more lets a long-running method, such as a collector loop, take other calls).
 
     Raises:
         TypeError: ``worker_cls`` is not a ``Worker`` subclass, ``sharding`` is
@@ -149,6 +151,7 @@ class WorkerGroup:
         setup_timeout_s: float = 300.0,
         pg_timeout_s: float = 600.0,
         failure_grace_s: float = 1.0,
+        max_concurrency: int = 1,
     ) -> None:
         cls = _check_worker_cls(worker_cls)
         if not isinstance(sharding, NamedSharding):
@@ -165,6 +168,8 @@ class WorkerGroup:
         if pg_timeout is None:
             raise ValueError("'pg_timeout_s' must be a number of seconds > 0: got None")
         self._grace_s = _check_amount("failure_grace_s", failure_grace_s)
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise ValueError(f"'max_concurrency' must be an int >= 1: got {max_concurrency!r}")
         if isinstance(init_args, (str, bytes)) or not isinstance(init_args, Sequence):
             raise TypeError(f"'init_args' must be a sequence of positional arguments: got {type(init_args).__name__}")
         if init_kwargs is not None and not isinstance(init_kwargs, Mapping):
@@ -185,6 +190,8 @@ class WorkerGroup:
         self._name_prefix = name_prefix or f"{cls.__name__}-{uuid.uuid4().hex[:8]}"
         self._closed = False
         options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": 0}
+        if max_concurrency > 1:
+            options["max_concurrency"] = max_concurrency
         if env_vars:
             options["runtime_env"] = {"env_vars": env_vars}
         actor_cls = ray.remote(cls)

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m shell.bench {balance,dataplane,policy,grpo,reward,revisions} [options] [--markdown]``."""
+"""Entry point: ``python -m shell.bench {balance,dataplane,policy,grpo,reward,revisions,async} [options] [--markdown]``."""
 
 from __future__ import annotations
 
@@ -57,6 +57,19 @@ def main(argv: list[str] | None = None) -> int:
     revisions.add_argument("--repeats", type=int, default=3, help="paired runs per transport, order alternated (default 3)")
     revisions.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides (see python -m shell.run --help)")
     revisions.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    asynchronous = sub.add_parser(
+        "async", help="async GRPO (max_staleness 1, 2) vs sync on the generation-heavy task: throughput, time to reward, final reward"
+    )
+    asynchronous.add_argument("--seeds", type=int, default=3, help="paired repeats, one seed each (default 3)")
+    asynchronous.add_argument("--steps", type=int, default=150, help="steps per run (default 150)")
+    asynchronous.add_argument("--staleness", type=int, nargs="+", default=[1, 2], help="async max_staleness values (default 1 2)")
+    asynchronous.add_argument("--target", type=float, default=0.5, help="reward for the time-to-reward column (default 0.5)")
+    asynchronous.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
+    asynchronous.add_argument("--runs-dir", default=None, help="where the runs go (default runs/async-<timestamp>)")
+    asynchronous.add_argument("--reuse", action="store_true", help="read the runs in --runs-dir instead of running them")
+    asynchronous.add_argument("--plot", default=None, help="the PNG (default RUNS_DIR/async_reward.png; the README's is docs/img/async_reward.png)")
+    asynchronous.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides (default: task.name=reverse)")
+    asynchronous.set_defaults(markdown=True)
     args = parser.parse_args(argv)
     if getattr(args, "seeds", 1) < 1:
         parser.error(f"--seeds must be >= 1: got {args.seeds}")
@@ -101,6 +114,23 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             parser.error(str(error))
         run_reward(cfg, report)
+    elif args.name == "async":
+        import time
+
+        from shell.bench.async_grpo import AsyncBenchConfig
+        from shell.bench.async_grpo import run as run_async
+
+        if args.reuse and args.runs_dir is None:
+            parser.error("--reuse needs --runs-dir (the folder holding the runs)")
+        try:
+            acfg = AsyncBenchConfig(
+                seeds=args.seeds, steps=args.steps, staleness=tuple(args.staleness), target=args.target,
+                first_seed=args.first_seed, reuse=args.reuse, plot=args.plot, overrides=tuple(args.overrides),
+                runs_dir=args.runs_dir or f"runs/async-{time.strftime('%Y%m%d-%H%M%S')}",
+            )
+        except ValueError as error:
+            parser.error(str(error))
+        run_async(acfg, report)
     elif args.name == "revisions":
         from shell.bench.revisions import RevisionsConfig
         from shell.bench.revisions import run as run_revisions

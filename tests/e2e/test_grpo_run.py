@@ -208,7 +208,7 @@ def test_trainer_refit_keeps_rollout_in_sync(tq_store_session: TransferQueueStor
     with GRPOTrainer(config) as trainer:
         trainer.step(1)
         policy = trainer.policy_state()
-        (rollout,) = trainer.rollout.call(RolloutWorker.weights)  # type: ignore[union-attr]
+        (rollout,) = trainer.source.group.call(RolloutWorker.weights)  # type: ignore[union-attr]
         assert policy.keys() == rollout.keys()
         assert all(torch.equal(policy[k], rollout[k]) for k in policy)
 

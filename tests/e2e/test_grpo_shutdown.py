@@ -30,12 +30,12 @@ EXIT_BOUND_S = 60.0  # from the fault to the driver's exit, shutdown included
 ORPHAN_GRACE_S = 15.0  # Ray's processes exit asynchronously after ray.shutdown()
 
 
-def _start(run_dir: Path) -> subprocess.Popen[str]:
+def _start(run_dir: Path, *extra: str) -> subprocess.Popen[str]:
     args = [
         sys.executable, "-m", "shell.run",
         f"run.dir={run_dir}", "run.progress=plain",
         "grpo.num_steps=200", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
-        "policy.layout.data_parallel=2", "policy.train_global_batch_size=8", "data_plane.backend=memory",
+        "policy.layout.data_parallel=2", "policy.train_global_batch_size=8", "data_plane.backend=memory", *extra,
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     env.pop("RAY_ADDRESS", None)
@@ -112,3 +112,20 @@ def test_run_ctrl_c_shuts_down_cleanly(tmp_path: Path) -> None:
     assert took < EXIT_BOUND_S
     _assert_no_orphans(tree)
     assert (tmp_path / "reward.png").exists(), "an interrupted run still plots what it logged"
+
+
+def test_run_killed_collector_exits_1_naming_it(tmp_path: Path) -> None:
+    """Async GRPO, SIGKILL of the rollout collector mid-run: exit 1 within the bound, the message names the
+    collector, no process survives."""
+    proc = _start(tmp_path, "grpo.async.enabled=true", "grpo.async.max_staleness=1")
+    info = _wait_for_steps(proc, tmp_path, 2)
+    tree = _descendants(proc.pid)
+    victim = int(info["collector"])  # type: ignore[arg-type]
+    assert victim in {p.pid for p in tree}
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    status, err, took = _finish(proc, killed_at)
+    assert status == 1, err
+    assert "run failed" in err and "rollout collector" in err, err
+    assert took < EXIT_BOUND_S
+    _assert_no_orphans(tree)

@@ -150,6 +150,8 @@ def _single_rank(rank: int, inputs: Results) -> Results:
         GEN_PROMPTS, GEN_PROMPT_LENGTHS, max_new_tokens=GEN_NEW_TOKENS, eos_id=GEN_EOS,
         generator=torch.Generator().manual_seed(8),
     )
+    generated = out["generated"]
+    out["generated_rescored"] = sampler.logprobs(generated.sequences, generated.lengths)
     out["reference_entropy"] = {
         name: _reference_entropy(sampler, out[name], limit)
         for name, limit in (("generated", None), ("generated_limited", GEN_VOCAB_LIMIT))
@@ -621,3 +623,16 @@ def test_parallel_coords_follow_the_topology_rank_order(
     sharding = NamedSharding(sizes)
     assert len(ranks) == sharding.world_size
     assert [rank["coords"] for rank in ranks] == [dict(sharding.coords(r)) for r in range(sharding.world_size)]
+
+
+def test_generate_records_each_drawn_tokens_behaviour_logprob(single: Results) -> None:
+    """``Generation.logprobs`` holds, at each response position, the log-probability the token was drawn with:
+    at temperature 1 over the whole vocabulary it matches the policy's own log-probs of the sequences (to float
+    tolerance: a different forward shape); it is 0 at prompt and padding positions and < 0 where a token was drawn."""
+    generated: Generation = single["generated"]
+    positions = torch.arange(generated.sequences.shape[1])[None, :]
+    response = (positions >= GEN_PROMPT_LENGTHS[:, None]) & (positions < generated.lengths[:, None])
+    assert generated.logprobs.shape == generated.sequences.shape and generated.logprobs.dtype == torch.float32
+    assert torch.all(generated.logprobs[~response] == 0)
+    assert torch.all(generated.logprobs[response] < 0)
+    torch.testing.assert_close(generated.logprobs[response], single["generated_rescored"][response], atol=1e-5, rtol=1e-5)

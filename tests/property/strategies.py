@@ -400,6 +400,47 @@ clip_ranges = st.tuples(st.floats(0.0, 0.5), st.floats(0.0, 0.5))
 """``(clip_low, clip_high)`` pairs, asymmetric as in DAPO."""
 
 
+@st.composite
+def weighted_policy_loss_inputs(draw: st.DrawFn, *, max_batch: int = 4, max_len: int = 6) -> dict[str, torch.Tensor]:
+    """``policy_loss_inputs`` plus float64 ``importance_weights`` [B, S] in [0, 3] (exact 0 and 1 common)."""
+    case = draw(policy_loss_inputs(max_batch=max_batch, max_len=max_len))
+    b, s = case["logprobs"].shape
+    values = draw(st.lists(st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.0, 3.0)), min_size=b * s, max_size=b * s))
+    return {**case, "importance_weights": torch.tensor(values, dtype=torch.float64).reshape(b, s)}
+
+
+# off-policy (core/off_policy.py)
+
+importance_caps = st.one_of(st.just(1.0), st.floats(1.0, 4.0))
+"""``is_cap`` values: exactly 1 (every weight above 1 truncated) up to 4."""
+
+
+@st.composite
+def decoupled_loss_inputs(draw: st.DrawFn, *, max_batch: int = 4, max_len: int = 6) -> dict[str, torch.Tensor]:
+    """Float64 ``logprobs``, ``proximal_logprobs``, ``behaviour_logprobs`` [B, S], ``advantages`` and ``mask``.
+
+    Proximal is as ``prev_logprobs`` of ``policy_loss_inputs``; behaviour is
+    proximal shifted by [-2, 2] per token (weights from e^-2 to e^2, on both
+    sides of every cap in ``importance_caps``), exactly proximal on some rows.
+    """
+    case = draw(policy_loss_inputs(max_batch=max_batch, max_len=max_len))
+    prox = case.pop("prev_logprobs")
+    b, s = prox.shape
+    shift = _float_grid(draw, (b, s), -2.0, 2.0)
+    on_policy = torch.tensor(draw(st.lists(st.booleans(), min_size=b, max_size=b)))
+    behaviour = torch.where(on_policy[:, None], prox, prox + shift)
+    return {"proximal_logprobs": prox, "behaviour_logprobs": behaviour, **case}
+
+
+@st.composite
+def version_lags(draw: st.DrawFn, rows: int) -> torch.Tensor:
+    """[rows] version lags in 0..3, as an int64 or a float64 tensor (all 0 and all positive both common)."""
+    lag = st.sampled_from([st.just(0), st.integers(1, 3), st.integers(0, 3)]).flatmap(
+        lambda entry: st.lists(entry, min_size=rows, max_size=rows)
+    )
+    return torch.tensor(draw(lag), dtype=draw(st.sampled_from([torch.int64, torch.float64])))
+
+
 # ---------------------------------------------------------------- stores
 # (column and batch strategies for adapters.rows and the store contract)
 
@@ -762,7 +803,126 @@ def run_config_overrides(draw: st.DrawFn) -> list[str]:
         f"run.progress={draw(st.sampled_from(['auto', 'bar', 'plain', 'off']))}",
         f"data_plane.partition={draw(st.one_of(plain_override_texts, yaml_11_words))}",
         f"policy.fetch_policy={draw(st.sampled_from(['auto', 'independent', 'leader_broadcast']))}",
+        f"grpo.async.enabled={draw(st.sampled_from(['true', 'false']))}",
+        f"grpo.async.max_staleness={draw(st.integers(0, 2**31))}",
+        f"grpo.async.buffer_groups={draw(st.integers(32, 2**31))}",  # >= grpo.num_prompts_per_step (32)
+        f"grpo.async.is_cap={draw(st.floats(1.0, 1e6))!r}",
     ]
     if draw(st.booleans()):
         out.append(f"run.dir={draw(st.one_of(plain_override_texts, yaml_11_words).filter(lambda t: t not in ('null', '~')))}")
     return out
+
+
+# ---------------------------------------------------------------- run records (shell/run_log.py, shell/run_plot.py)
+
+
+@st.composite
+def timed_records(draw: st.DrawFn, *, max_size: int = 30) -> list[dict[str, Any]]:
+    """A run's records in any order (distinct steps), each ``step_time_s`` a number, ``None`` or missing."""
+    steps = draw(st.lists(st.integers(0, 10**4), min_size=1, max_size=max_size, unique=True))
+    records = []
+    for step in steps:
+        record: dict[str, Any] = {"step": step, "reward_mean": draw(st.one_of(st.none(), st.floats(-1.0, 2.0)))}
+        time = draw(st.one_of(st.just("missing"), st.none(), st.floats(0.0, 1e4), st.integers(0, 100)))
+        if time != "missing":
+            record["step_time_s"] = time
+        records.append(record)
+    return records
+
+
+# ---------------------------------------------------------------- replay buffer (core/replay.py)
+# core.replay is imported inside the strategies, as this section is appended.
+
+replay_versions = st.integers(0, 8)
+"""Weight versions of receipts and trainer versions: small, so lags near every staleness bound occur."""
+
+
+def replay_receipt(keys: Sequence[str], *, weight_version: int, batch_seq: int, rewards: Sequence[float] | None = None) -> Any:
+    """A ``GroupReceipt`` of rows ``keys`` (one prompt group) in partition ``train``, stamped with its versions."""
+    from core.replay import GroupReceipt
+    from core.rollout_carry import RolloutCarry
+
+    n = len(keys)
+    carry = RolloutCarry(
+        rewards=[0.0] * n if rewards is None else rewards,
+        lengths=[4] * n,
+        group_ids=[batch_seq] * n,
+        prompt_ids=[0] * n,
+        truncated=[False] * n,
+    )
+    return GroupReceipt(
+        KVBatchMeta("train", keys, sequence_lengths=[4] * n),
+        carry,
+        weight_version=weight_version,
+        batch_seq=batch_seq,
+        entropy=[0.5] * n,
+        response_tokens=[2] * n,
+        responses=[f"r{k}" for k in keys[:1]],
+    )
+
+
+@st.composite
+def group_receipts(draw: st.DrawFn, *, prefix: str = "g", max_rows: int = 4) -> Any:
+    """A valid ``GroupReceipt``: 1..``max_rows`` rows keyed ``<prefix>_<i>``, any versions, carry rewards, entropies and texts."""
+    from core.replay import GroupReceipt
+
+    n = draw(st.integers(1, max_rows))
+    keys = [f"{prefix}_{i}" for i in range(n)]
+    base = replay_receipt(keys, weight_version=draw(replay_versions), batch_seq=draw(st.integers(0, 9)), rewards=draw(st.lists(carry_rewards, min_size=n, max_size=n)))
+    return GroupReceipt(
+        base.meta,
+        base.carry,
+        weight_version=base.weight_version,
+        batch_seq=base.batch_seq,
+        entropy=draw(st.lists(st.floats(0.0, 20.0), min_size=n, max_size=n)),
+        response_tokens=draw(st.lists(st.integers(0, 16), min_size=n, max_size=n)),
+        responses=draw(st.lists(st.text(max_size=6), max_size=n)),
+    )
+
+
+def receipt_streams(*, min_size: int = 0, max_size: int = 12) -> st.SearchStrategy[list[Any]]:
+    """Receipts with pairwise-disjoint keys (group ``i`` is prefixed ``g<i>``), in arrival order, versions in any order."""
+    return st.integers(min_size, max_size).flatmap(lambda n: st.tuples(*(group_receipts(prefix=f"g{i}") for i in range(n))).map(list))
+
+
+@st.composite
+def replay_scripts(draw: st.DrawFn) -> tuple[int, list[Any], list[tuple[Any, ...]]]:
+    """``(capacity_groups, receipts, operations)``: a buffer driven by offers of the stream's next receipts and samples.
+
+    Each operation is ``("offer", count)`` (the next ``count`` receipts not
+    yet accepted, or fewer at the end; a batch that does not fit stays next)
+    or ``("sample", num_groups, current_version, max_staleness)``, with
+    ``num_groups <= capacity_groups`` and ``current_version`` never decreasing.
+    """
+    capacity = draw(st.integers(1, 6))
+    receipts = draw(receipt_streams())
+    operations: list[tuple[Any, ...]] = []
+    version = 0
+    for _ in range(draw(st.integers(0, 12))):
+        if draw(st.booleans()):
+            operations.append(("offer", draw(st.integers(0, capacity))))
+        else:
+            version += draw(st.integers(0, 2))
+            operations.append(("sample", draw(st.integers(1, capacity)), version, draw(st.integers(0, 3))))
+    return capacity, receipts, operations
+
+
+ASYNC_ACTIONS = ("generate", "sync", "train")
+"""The collector generates (or retries its pending offer), pulls the trainer's latest weights, or the trainer takes a step."""
+
+
+@st.composite
+def async_schedules(draw: st.DrawFn, *, max_staleness: int | None = None) -> dict[str, Any]:
+    """An asynchronous GRPO run to simulate: batch shape, buffer capacity, staleness bound and an interleaving of actions.
+
+    ``capacity_groups`` is at least ``groups_per_batch`` (a batch always fits
+    an empty buffer); ``actions`` is any sequence over ``ASYNC_ACTIONS``.
+    """
+    groups = draw(st.integers(1, 3))
+    return {
+        "groups_per_batch": groups,
+        "rows_per_group": draw(st.integers(1, 3)),
+        "capacity_groups": draw(st.integers(groups, 3 * groups + 1)),
+        "max_staleness": draw(st.integers(0, 3)) if max_staleness is None else max_staleness,
+        "actions": draw(st.lists(st.sampled_from(ASYNC_ACTIONS), max_size=60)),
+    }

@@ -24,7 +24,9 @@ def test_fields_names_are_unique_and_token_fields_are_fields() -> None:
     assert len(set(fields.EXTRA_INFO_KEYS)) == len(fields.EXTRA_INFO_KEYS)
     assert not set(fields.FIELDS) & set(fields.EXTRA_INFO_KEYS)
     assert fields.TOKEN_FIELDS <= set(fields.FIELDS)
-    assert fields.TOKEN_FIELDS == {fields.INPUT_IDS, fields.TOKEN_MASK, fields.PREV_LOGPROBS, fields.REFERENCE_LOGPROBS}
+    assert fields.TOKEN_FIELDS == {
+        fields.INPUT_IDS, fields.TOKEN_MASK, fields.GENERATION_LOGPROBS, fields.PREV_LOGPROBS, fields.REFERENCE_LOGPROBS
+    }
 
 
 @given(st.one_of(st.sampled_from(fields.FIELDS), st.text(max_size=12)))

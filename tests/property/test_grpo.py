@@ -18,7 +18,7 @@ from core.grpo import (
     kl_k3,
     masked_mean,
 )
-from tests.property.strategies import clip_ranges, grouped_rewards, policy_loss_inputs
+from tests.property.strategies import clip_ranges, grouped_rewards, policy_loss_inputs, weighted_policy_loss_inputs
 
 GroupCase = tuple[torch.Tensor, list[int]]
 LossCase = dict[str, torch.Tensor]
@@ -52,6 +52,7 @@ def _reference_baseline(rewards: list[float], ids: list[int], leave_one_out: boo
 def _reference_token_losses(case: LossCase, low: float, high: float) -> list[list[float]]:
     lp, prev, mask = case["logprobs"].tolist(), case["prev_logprobs"].tolist(), case["mask"].tolist()
     adv = case["advantages"].tolist()
+    weights = case["importance_weights"].tolist() if "importance_weights" in case else None
     out = []
     for b, row in enumerate(lp):
         losses = []
@@ -62,7 +63,7 @@ def _reference_token_losses(case: LossCase, low: float, high: float) -> list[lis
             a = adv[b][t] if isinstance(adv[b], list) else adv[b]
             ratio = math.exp(lp[b][t] - prev[b][t])
             clipped = min(max(ratio, 1 - low), 1 + high)
-            losses.append(-min(ratio * a, clipped * a))
+            losses.append(-min(ratio * a, clipped * a) * (1.0 if weights is None else weights[b][t]))
         out.append(losses)
     return out
 
@@ -394,6 +395,69 @@ def test_clipped_policy_loss_does_not_mutate_inputs(case: LossCase) -> None:
     before = {k: v.clone() for k, v in case.items()}
     clipped_policy_loss(**case)
     assert all(torch.equal(case[k], before[k]) for k in case)
+
+
+@settings(max_examples=30)
+@given(weighted_policy_loss_inputs(), clip_ranges, st.sampled_from(["token", "sequence"]))
+def test_clipped_policy_loss_importance_weights_match_loop_reference(
+    case: LossCase, clips: tuple[float, float], level: str
+) -> None:
+    """With importance_weights, each token's loss is multiplied by its weight before the reduction."""
+    low, high = clips
+    loss, _ = clipped_policy_loss(**case, clip_low=low, clip_high=high, level=level)  # type: ignore[arg-type]
+    assert loss.item() == pytest.approx(_reference_loss(case, low, high, level, None), rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=30)
+@given(policy_loss_inputs(), clip_ranges, st.sampled_from(["token", "sequence"]))
+def test_clipped_policy_loss_unit_importance_weights_change_nothing(
+    case: LossCase, clips: tuple[float, float], level: str
+) -> None:
+    """All-ones importance weights give bitwise the loss, gradient and metrics of no weights."""
+    low, high = clips
+    lp_a = case["logprobs"].clone().requires_grad_(True)
+    lp_b = case["logprobs"].clone().requires_grad_(True)
+    ones = torch.ones_like(case["logprobs"])
+    loss_a, m_a = clipped_policy_loss(**{**case, "logprobs": lp_a}, clip_low=low, clip_high=high, level=level)  # type: ignore[arg-type]
+    loss_b, m_b = clipped_policy_loss(
+        **{**case, "logprobs": lp_b}, clip_low=low, clip_high=high, level=level, importance_weights=ones  # type: ignore[arg-type]
+    )
+    assert torch.equal(loss_a, loss_b)
+    assert m_a.keys() == m_b.keys() and all(torch.equal(m_a[k], m_b[k]) for k in m_a)
+    assert torch.equal(torch.autograd.grad(loss_a, lp_a)[0], torch.autograd.grad(loss_b, lp_b)[0])
+
+
+@settings(max_examples=30)
+@given(weighted_policy_loss_inputs(), st.sampled_from(["token", "sequence"]))
+def test_clipped_policy_loss_importance_weights_are_constants_ignored_where_masked(case: LossCase, level: str) -> None:
+    """No gradient flows into the weights, and -inf / NaN weights at masked positions change neither loss nor gradient."""
+    masked = case["mask"].to(torch.float64) == 0
+    weights = case["importance_weights"].clone().requires_grad_(True)
+    poisoned = case["importance_weights"].masked_fill(masked, math.nan)
+    lp_a = case["logprobs"].clone().requires_grad_(True)
+    lp_b = case["logprobs"].clone().requires_grad_(True)
+    loss_a, _ = clipped_policy_loss(**{**case, "logprobs": lp_a, "importance_weights": weights}, level=level)  # type: ignore[arg-type]
+    loss_b, _ = clipped_policy_loss(**{**case, "logprobs": lp_b, "importance_weights": poisoned}, level=level)  # type: ignore[arg-type]
+    assert torch.equal(loss_a, loss_b)
+    grad_a, grad_weights = torch.autograd.grad(loss_a, [lp_a, weights], allow_unused=True)
+    assert grad_weights is None
+    assert torch.equal(grad_a, torch.autograd.grad(loss_b, lp_b)[0])
+
+
+def test_clipped_policy_loss_rejects_bad_importance_weights() -> None:
+    """importance_weights must be floating, of the logprobs' shape, finite and >= 0 where the mask selects."""
+    lp, adv, mask = torch.zeros(2, 3), torch.ones(2), torch.tensor([[True, True, False], [True, True, True]])
+    with pytest.raises(TypeError, match=r"'importance_weights' must have a floating dtype: got torch.int64; pass importance_weights.float\(\)"):
+        clipped_policy_loss(lp, lp, adv, mask, importance_weights=torch.ones(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"'importance_weights' must have shape \(2, 3\) \(same as 'logprobs'\): got \(2,\)"):
+        clipped_policy_loss(lp, lp, adv, mask, importance_weights=torch.ones(2))
+    bad = torch.ones(2, 3)
+    bad[0, 2] = math.inf  # masked: ignored
+    bad[1, 1] = math.nan
+    with pytest.raises(ValueError, match=r"'importance_weights' must be finite and >= 0 where 'mask' is non-zero: got nan at \[1, 1\]"):
+        clipped_policy_loss(lp, lp, adv, mask, importance_weights=bad)
+    with pytest.raises(ValueError, match=r"'importance_weights' must be finite and >= 0 where 'mask' is non-zero: got -0.5 at \[0, 1\]"):
+        clipped_policy_loss(lp, lp, adv, mask, importance_weights=torch.tensor([[1.0, -0.5, 1.0], [1.0, 1.0, 1.0]]))
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -11,7 +11,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core.rollout_carry import AdvantagePlan, RolloutCarry, dapo_selection, group_count, plan_advantages
+from core.rollout_carry import (
+    AdvantagePlan,
+    RolloutCarry,
+    dapo_selection,
+    group_count,
+    plan_advantages,
+    zero_variance_group_fraction,
+)
 from tests.property.strategies import carry_and_index_blocks, carry_and_permutation, rollout_carries
 
 # The plan is float32 math; the references below are float64 loops.
@@ -325,3 +332,35 @@ def test_group_count_counts_distinct_ids_and_ignores_row_order(case: tuple[Rollo
         if g not in seen:
             seen.append(g)
     assert group_count(carry) == len(seen) == group_count(carry.subset(perm))
+
+
+@given(rollout_carries())
+def test_zero_variance_group_fraction_counts_the_groups_dapo_drops(carry: RolloutCarry) -> None:
+    """The fraction is 1 - (groups kept by dapo_selection with no group limit) / groups, and a plain loop's count."""
+    groups = group_count(carry)
+    kept = {carry.group_ids[i] for i in dapo_selection(carry, max_groups=groups)}
+    fraction = zero_variance_group_fraction(carry)
+    assert fraction == (groups - len(kept)) / groups == pytest.approx(1 - len(kept) / groups, abs=1e-15)
+    constant = sum(len(set(rewards)) == 1 for rewards in _groups(carry).values())
+    assert fraction == constant / groups and 0.0 <= fraction <= 1.0
+
+
+@given(carry_and_permutation())
+def test_zero_variance_group_fraction_ignores_row_order(case: tuple[RolloutCarry, list[int]]) -> None:
+    """Permuting the rows leaves the fraction unchanged."""
+    carry, perm = case
+    assert zero_variance_group_fraction(carry.subset(perm)) == zero_variance_group_fraction(carry)
+
+
+def test_zero_variance_group_fraction_extremes() -> None:
+    """All-constant groups give 1.0 (singletons included); all-varying groups give 0.0."""
+    assert zero_variance_group_fraction(_carry(3, rewards=[0.5, 0.5, 1.0], group_ids=[0, 0, 1])) == 1.0
+    assert zero_variance_group_fraction(_carry(4, rewards=[0.0, 1.0, 1.0, 0.25], group_ids=[0, 0, 1, 1])) == 0.0
+
+
+def test_zero_variance_group_fraction_rejects_an_empty_or_non_carry() -> None:
+    """An empty carry has no groups; the argument must be a RolloutCarry."""
+    with pytest.raises(ValueError, match=r"'carry' must have at least one row \(one group\): got 0"):
+        zero_variance_group_fraction(_carry(0))
+    with pytest.raises(TypeError, match=r"'carry' must be a RolloutCarry: got list"):
+        zero_variance_group_fraction([1.0])  # type: ignore[arg-type]

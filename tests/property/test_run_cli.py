@@ -31,6 +31,19 @@ def test_parse_args_help_lists_every_config_key(capsys: pytest.CaptureFixture[st
         assert re.search(rf"^\s+{re.escape(key)}={re.escape(value)}\s+{re.escape(comment)}$", out, re.M), key
 
 
+def test_parse_args_help_lists_the_async_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` lists the four ``grpo.async`` keys by their YAML names, with their defaults, in schema order."""
+    from shell.run import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    shown = re.findall(r"^\s+(grpo\.async\.\w+=\S+)\s", out, re.M)
+    assert shown == ["grpo.async.enabled=false", "grpo.async.max_staleness=1", "grpo.async.buffer_groups=96",
+                     "grpo.async.is_cap=2.0"]
+    assert "async_" not in out
+
+
 def test_parse_args_collects_options_and_overrides() -> None:
     """Options go to their attributes and ``key=value`` items to ``overrides``, in order."""
     from shell.run import parse_args
@@ -135,6 +148,24 @@ BAD_INPUTS: list[tuple[str, Argv, str, str]] = [
     ("run.dir holds a run", _earlier_run, "run.dir", "continue it with --resume"),
     ("binary --config", _binary_config, "--config", "model.bin is not a text (UTF-8) YAML file"),
     ("overrides around --config", _around_config, "grpo.num_steps", "must be >= 1: got 0"),
+    ("grpo.async.enabled=maybe", lambda t: ["grpo.async.enabled=maybe"], "grpo.async.enabled",
+     "must be true or false: got 'maybe'"),
+    ("grpo.async.max_staleness=-1", lambda t: ["grpo.async.max_staleness=-1"], "grpo.async.max_staleness",
+     "must be >= 0: got -1"),
+    ("grpo.async.max_staleness=1.5", lambda t: ["grpo.async.max_staleness=1.5"], "grpo.async.max_staleness",
+     "must be an integer: got '1.5'"),
+    ("grpo.async.buffer_groups=0", lambda t: ["grpo.async.buffer_groups=0"], "grpo.async.buffer_groups",
+     "must be >= 1: got 0"),
+    ("grpo.async.is_cap=0.5", lambda t: ["grpo.async.is_cap=0.5"], "grpo.async.is_cap", "must be >= 1: got 0.5"),
+    ("grpo.async.is_cap=.inf", lambda t: ["grpo.async.is_cap=.inf"], "grpo.async.is_cap", "finite"),
+    ("grpo.async_ is not a key", lambda t: ["grpo.async_.enabled=true"], "grpo.async_", "did you mean grpo.async?"),
+    ("grpo.async is a section", lambda t: ["grpo.async=true"], "grpo.async", "is a section with keys enabled,"),
+    ("async without the data plane", lambda t: ["grpo.async.enabled=true", "data_plane.enabled=false"],
+     "data_plane.enabled", "must be true when grpo.async.enabled is true (async GRPO moves rows through the store)"),
+    ("async with DAPO", lambda t: ["grpo.async.enabled=true", "grpo.dapo.enabled=true"], "grpo.dapo.enabled",
+     "are not supported together yet): got true"),
+    ("async buffer below a step", lambda t: ["grpo.async.enabled=true", "grpo.async.buffer_groups=16"],
+     "grpo.async.buffer_groups", "must be >= grpo.num_prompts_per_step (32; a step samples that many whole groups): got 16"),
 ]
 
 

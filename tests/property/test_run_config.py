@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import keyword
 import math
 import re
 from pathlib import Path
@@ -14,7 +15,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shell.config_schema import TRANSFER_QUEUE_CPUS
+from shell.config_schema import TRANSFER_QUEUE_CPUS, AsyncSection, config_key, schema_fields
 from shell.run_config import (
     ConfigError,
     ProgressMode,
@@ -56,17 +57,28 @@ def defaults() -> RunConfig:
 
 
 def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
-    """Dotted keys of the leaves of a config: a section (attrs class) is a branch, anything else a leaf."""
+    """Dotted keys of the leaves of a config: a section (attrs class) is a branch, anything else a leaf.
+
+    A key is its field's name, or the field's ``key`` metadata where the name cannot be it (``async_``)."""
     keys: list[str] = []
     for field in attrs.fields(type(node)):
         if not field.init:  # derived, not a key (TaskSection.instance)
             continue
-        value = getattr(node, field.name)
+        value, name = getattr(node, field.name), field.metadata.get("key", field.name)
         if attrs.has(type(value)):
-            keys += _leaf_keys(value, f"{prefix}{field.name}.")
+            keys += _leaf_keys(value, f"{prefix}{name}.")
         else:
-            keys.append(f"{prefix}{field.name}")
+            keys.append(f"{prefix}{name}")
     return keys
+
+
+def _sections(cls: type = RunConfig) -> list[type]:
+    """``cls`` and every section class under it."""
+    out = [cls]
+    for field in attrs.fields(cls):
+        if "section" in field.metadata:
+            out += _sections(field.metadata["section"])
+    return out
 
 
 def _with(config: RunConfig, overrides: list[str]) -> dict[str, Any]:
@@ -163,6 +175,9 @@ def test_load_run_config_overrides_are_typed() -> None:
             ("grpo.leave_one_out", st.booleans()),
             ("ray.address", st.sampled_from(["auto", "10.0.0.1:6379"])),
             ("policy.layout.pipeline_parallel", st.sampled_from([1, 2])),
+            ("grpo.async.max_staleness", st.integers(0, 10**3)),
+            ("grpo.async.is_cap", st.floats(1.0, 100.0)),
+            ("grpo.async.enabled", st.booleans()),
         ]
     ).flatmap(lambda case: st.tuples(st.just(case[0]), case[1]))
 )
@@ -213,6 +228,12 @@ def test_parse_overrides_rejects_an_override_without_equals(item: str) -> None:
         ("data_plane.backend=redis", "data_plane.backend"),  # enum value not allowed
         ("run.progress=loud", "run.progress"),
         ("policy.fetch_policy=gossip", "policy.fetch_policy"),
+        ("grpo.async.nope=1", "grpo.async.nope"),  # unknown key under the keyword section
+        ("grpo.async_.enabled=true", "grpo.async_"),  # the attribute name is not a key
+        ("grpo.async.enabled=maybe", "grpo.async.enabled"),
+        ("grpo.async.max_staleness=1.5", "grpo.async.max_staleness"),
+        ("grpo.async.buffer_groups=many", "grpo.async.buffer_groups"),
+        ("grpo.async.is_cap=big", "grpo.async.is_cap"),
     ],
 )
 def test_load_run_config_rejects_unknown_keys_and_ill_typed_values(override: str, key: str) -> None:
@@ -245,6 +266,10 @@ IMPOSSIBLE = [
     (["grpo.loss.clip_low=-0.1"], "grpo.loss.clip_low"),
     (["grpo.loss.clip_high=-0.1"], "grpo.loss.clip_high"),
     (["grpo.loss.kl_coef=-0.5"], "grpo.loss.kl_coef"),
+    (["grpo.async.max_staleness=-1"], "grpo.async.max_staleness"),
+    (["grpo.async.buffer_groups=0"], "grpo.async.buffer_groups"),
+    (["grpo.async.is_cap=0.5"], "grpo.async.is_cap"),
+    (["grpo.async.is_cap=0"], "grpo.async.is_cap"),
     (["policy.layout.data_parallel=0"], "policy.layout.data_parallel"),
     (["policy.layout.tensor_parallel=0"], "policy.layout.tensor_parallel"),
     (["policy.layout.pipeline_parallel=0"], "policy.layout.pipeline_parallel"),
@@ -293,6 +318,104 @@ def test_load_run_config_accepts_a_layout_that_divides_the_model() -> None:
         ["policy.layout.tensor_parallel=2", "policy.layout.pipeline_parallel=2", "policy.layout.data_parallel=4"]
     )
     assert (config.policy.layout.tensor_parallel, config.policy.layout.pipeline_parallel) == (2, 2)
+
+
+# ---------------------------------------------------------------- asynchronous GRPO (grpo.async, read as config.grpo.async_)
+
+
+def test_config_key_differs_from_the_attribute_name_only_for_a_keyword() -> None:
+    """Every schema field's key is its attribute name, except a Python keyword, whose attribute is the key plus ``_``."""
+    renamed = {}
+    for cls in _sections():
+        for key, field in schema_fields(cls).items():
+            assert key == config_key(field)
+            if key != field.name:
+                renamed[f"{cls.PATH}{key}"] = field.name
+                assert keyword.iskeyword(key) and field.name == f"{key}_", (key, field.name)
+            else:
+                assert not keyword.iskeyword(key), key
+    assert renamed == {"grpo.async": "async_"}
+
+
+def test_load_run_config_async_defaults_are_off(defaults: RunConfig) -> None:
+    """The packaged config has async GRPO off, with its documented defaults, read as ``config.grpo.async_``."""
+    assert defaults.grpo.async_ == AsyncSection(enabled=False, max_staleness=1, buffer_groups=96, is_cap=2.0)
+    assert type(defaults.grpo.async_.is_cap) is float
+    assert select(defaults, "grpo.async") is defaults.grpo.async_
+    assert select(defaults, "grpo.async.buffer_groups") == 96
+    shown = [(key, value) for key, value, _ in describe_keys(defaults) if key.startswith("grpo.async.")]
+    assert shown == [("grpo.async.enabled", "false"), ("grpo.async.max_staleness", "1"),
+                     ("grpo.async.buffer_groups", "96"), ("grpo.async.is_cap", "2.0")]
+
+
+def test_load_run_config_async_overrides_set_their_keys() -> None:
+    """``grpo.async.enabled=true grpo.async.max_staleness=0`` sets those keys (typed) and nothing else in the section."""
+    config = load_run_config(["grpo.async.enabled=true", "grpo.async.max_staleness=0", "grpo.async.is_cap=3"])
+    assert config.grpo.async_ == AsyncSection(enabled=True, max_staleness=0, buffer_groups=96, is_cap=3.0)
+    assert type(config.grpo.async_.is_cap) is float
+    assert parse_overrides(["grpo.async.enabled=true"]) == {"grpo": {"async": {"enabled": True}}}
+
+
+def test_save_run_config_writes_the_async_key_and_reads_it_back(tmp_path: Path) -> None:
+    """config.yaml says ``async:`` (never the attribute name ``async_``) and loads back equal."""
+    config = load_run_config(["grpo.async.enabled=true", "grpo.async.max_staleness=0", "grpo.async.buffer_groups=32"])
+    text = dump_run_config(config)
+    assert "\n  async:\n    enabled: true\n    max_staleness: 0\n    buffer_groups: 32\n    is_cap: 2.0\n" in text
+    assert "async_" not in text
+    assert load_run_config(config_file=save_run_config(config, tmp_path / "config.yaml")) == config
+    assert run_config_to_dict(config)["grpo"]["async"]["max_staleness"] == 0
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["grpo.async.buffer_groups=32"],  # = num_prompts_per_step: the boundary holds
+        ["grpo.async.max_staleness=0", "grpo.async.is_cap=1"],
+        ["data_plane.backend=memory"],
+    ],
+)
+def test_load_run_config_accepts_async_relations_at_their_boundary(overrides: list[str]) -> None:
+    """Async GRPO loads on the data plane, without DAPO, with a buffer of at least one step's groups."""
+    config = load_run_config(["grpo.async.enabled=true", *overrides])
+    assert config.grpo.async_.enabled is True
+
+
+def test_load_run_config_checks_async_relations_only_when_enabled() -> None:
+    """With async off, the legacy path, DAPO and a small buffer load as before."""
+    config = load_run_config(["data_plane.enabled=false", "grpo.dapo.enabled=true", "grpo.async.buffer_groups=1"])
+    assert (config.grpo.async_.enabled, config.grpo.async_.buffer_groups) == (False, 1)
+
+
+# The relations of grpo.async.enabled=true: the overrides, the key named and the message after it.
+ASYNC_RELATIONS = [
+    (["data_plane.enabled=false"], "data_plane.enabled",
+     "must be true when grpo.async.enabled is true (async GRPO moves rows through the store): got false"),
+    (["grpo.dapo.enabled=true"], "grpo.dapo.enabled",
+     "must be false when grpo.async.enabled is true (DAPO dynamic sampling and async GRPO are not supported "
+     "together yet): got true"),
+    (["grpo.async.buffer_groups=31"], "grpo.async.buffer_groups",
+     "must be >= grpo.num_prompts_per_step (32; a step samples that many whole groups): got 31"),
+    (["grpo.num_prompts_per_step=128"], "grpo.async.buffer_groups",
+     "must be >= grpo.num_prompts_per_step (128; a step samples that many whole groups): got 96"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "message"), ASYNC_RELATIONS, ids=[" ".join(o) for o, _, _ in ASYNC_RELATIONS])
+def test_load_run_config_rejects_async_relations(overrides: list[str], key: str, message: str) -> None:
+    """With async on, each broken relation is a ConfigError naming the key, what was expected and what was got."""
+    with _raises_naming(key) as info:
+        load_run_config(["grpo.async.enabled=true", *overrides])
+    assert (info.value.key, info.value.message) == (key, message)
+
+
+@pytest.mark.parametrize(("overrides", "key", "message"), ASYNC_RELATIONS, ids=[" ".join(o) for o, _, _ in ASYNC_RELATIONS])
+def test_run_config_from_dict_rejects_async_relations(overrides: list[str], key: str, message: str) -> None:
+    """Built from plain values, or evolved from a valid config, the same relations name the same key."""
+    with _raises_naming(key):
+        run_config_from_dict(_with(load_run_config(), ["grpo.async.enabled=true", *overrides]))
+    valid = load_run_config(overrides)  # async off: the relation is not checked
+    with _raises_naming(key):
+        attrs.evolve(valid, grpo=attrs.evolve(valid.grpo, async_=attrs.evolve(valid.grpo.async_, enabled=True)))
 
 
 # ---------------------------------------------------------------- config files
@@ -424,7 +547,8 @@ def test_load_run_config_booleans_reject_everything_else(text: str) -> None:
 
 
 @pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", ".NaN", "1e999"])
-@pytest.mark.parametrize("key", ["policy.learning_rate", "grpo.temperature", "grpo.loss.kl_coef", "policy.timeout_s"])
+@pytest.mark.parametrize("key", ["policy.learning_rate", "grpo.temperature", "grpo.loss.kl_coef", "policy.timeout_s",
+                                 "grpo.async.is_cap"])
 def test_load_run_config_rejects_non_finite_numbers(key: str, value: str) -> None:
     """Infinity and NaN are rejected up front for every number, naming the key."""
     with _raises_naming(key) as info:
@@ -638,5 +762,7 @@ def test_run_config_cannot_be_built_invalid_by_evolve(defaults: RunConfig) -> No
     """``attrs.evolve`` re-runs the checks: a copy with a bad value raises like the loader."""
     with _raises_naming("grpo.temperature"):
         attrs.evolve(defaults.grpo, temperature=math.inf)
+    with _raises_naming("grpo.async.is_cap"):
+        attrs.evolve(defaults.grpo.async_, is_cap=0.5)
     with _raises_naming("policy.layout.tensor_parallel"):
         attrs.evolve(defaults.policy, layout=attrs.evolve(defaults.policy.layout, tensor_parallel=3))

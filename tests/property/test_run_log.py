@@ -206,6 +206,18 @@ def test_metrics_log_round_trips_through_read_metrics(reward: float, loss: float
         assert written[0] == {"step": 1, "reward_mean": float(reward), "loss": float(loss), "tags": {"split": "train"}}
 
 
+def test_metrics_log_takes_any_metric_key_such_as_the_async_ones() -> None:
+    """The record has no list of known keys: async GRPO's per-step metrics are written and read back as given."""
+    record = {"step": 1, "version_lag_mean": 0.5, "version_lag_max": 1, "buffer_groups": 64, "groups_evicted": 0,
+              "trainer_wait_s": 0.25, "collector_wait_s": 1.5, "generated_tokens_per_s": 812.5,
+              "zero_variance_group_frac": 0.125, "entropy": 1.75}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "metrics.jsonl"
+        with MetricsLog(path) as log:
+            assert log.write({**record, "buffer_groups": np.int64(64), "entropy": torch.tensor(1.75)}) == record
+        assert read_metrics(path) == [record]
+
+
 def test_metrics_log_converts_numpy_and_torch_scalars() -> None:
     """numpy and torch scalars are written as plain ints, floats and bools."""
     with tempfile.TemporaryDirectory() as folder:
