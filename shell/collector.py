@@ -40,6 +40,7 @@ import torch
 
 from core.replay import GroupReceipt, may_generate
 from core.task import Task
+from shell.column_io import clear_stored
 from shell.policy_worker import client_io
 from shell.replay_buffer import ReplayBufferClient
 from shell.rollout import RolloutResult, RolloutWorker, row_keys
@@ -209,11 +210,8 @@ class RolloutCollector(RolloutWorker):
     def _clear_in_flight(self, partition_id: str) -> None:
         with self._cond:
             keys, self._in_flight = list(self._in_flight), {}
-        if keys and self._client is not None:
-            stored = set(self._client.list_keys(partition_id))
-            present = [k for k in keys if k in stored]
-            if present:
-                self._client.clear(present, partition_id)
+        if self._client is not None:
+            clear_stored(self._client, keys, partition_id)
 
     # ------------------------------------------------------------ control
 

@@ -155,3 +155,18 @@ def write_columns(
             f"keys: {error.args[0]}"
         ) from None
     return meta.with_fields(columns)
+
+
+def clear_stored(client: DataPlaneClient, keys: Sequence[str], partition_id: str) -> int:
+    """Clear those of ``keys`` that ``partition_id`` still holds (keys already gone are skipped); how many.
+
+    The port's ``clear`` wants stored keys; a row may have been cleared by
+    another owner (the step, the buffer, a shutdown sweep) in the meantime.
+    """
+    if not keys:
+        return 0
+    stored = set(client.list_keys(partition_id))
+    present = [k for k in keys if k in stored]
+    if present:
+        client.clear(present, partition_id)
+    return len(present)

@@ -25,7 +25,8 @@ import attrs
 import ray
 
 from adapters.store_port import DataPlaneClient
-from core.replay import GroupReceipt, ReplayState, Sampled, drain, init_replay, offer, sample
+from core.replay import GroupReceipt, ReplayState, drain, init_replay, offer, sample
+from shell.column_io import clear_stored
 from shell.model_worker import ClientFactory
 
 
@@ -69,7 +70,7 @@ class ReplayBuffer:
     def sample(self, num_groups: int, current_version: int, max_staleness: int) -> SampleReport:
         """Evict what is too stale (clearing its keys), then take ``num_groups`` groups FIFO, or none."""
         result, state = sample(self._state, num_groups, current_version, max_staleness)
-        self._clear(result)
+        clear_stored(self._client, result.evicted_keys, self._partition)
         self._state = state
         return SampleReport(result.groups, len(result.evicted), len(state.groups))
 
@@ -88,20 +89,8 @@ class ReplayBuffer:
     def drain(self) -> int:
         """Drop every receipt and clear its keys (shutdown); how many groups were dropped."""
         receipts, self._state = drain(self._state)
-        keys = [key for receipt in receipts for key in receipt.keys]
-        self._clear_keys(keys)
+        clear_stored(self._client, [key for receipt in receipts for key in receipt.keys], self._partition)
         return len(receipts)
-
-    def _clear(self, result: Sampled) -> None:
-        self._clear_keys(result.evicted_keys)
-
-    def _clear_keys(self, keys: Sequence[str]) -> None:
-        if not keys:
-            return
-        stored = set(self._client.list_keys(self._partition))
-        present = [k for k in keys if k in stored]
-        if present:
-            self._client.clear(present, self._partition)
 
 
 class ReplayBufferClient:

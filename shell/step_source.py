@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -111,8 +112,6 @@ class StepSource(Protocol):
 
 
 def _carry_bytes(carry: RolloutCarry) -> int:
-    import pickle
-
     return len(pickle.dumps(carry, protocol=pickle.HIGHEST_PROTOCOL))
 
 

@@ -41,7 +41,7 @@ from core.codec import is_jagged, to_jagged, to_padded
 from core.fields import GLOBAL_FORWARD_PAD_SEQLEN, LENGTHS, is_token_field
 from core.meta import KVBatchMeta
 from core.sharding import shard_row_indices
-from shell.column_io import read_columns, write_columns
+from shell.column_io import clear_stored, read_columns, write_columns
 from shell.metering import column_bytes
 from shell.model_worker import ClientFactory
 from shell.rank_input import InlineShard, RankInput, StoreShard
@@ -288,10 +288,7 @@ class DataPlaneTransport:
         self._clear(list(self._open))
 
     def _clear(self, keys: Sequence[str]) -> None:
-        stored = set(self.client.list_keys(self.partition_id))
-        present = [k for k in keys if k in stored]
-        if present:
-            self.client.clear(present, self.partition_id)
+        clear_stored(self.client, keys, self.partition_id)
         for key in keys:
             self._open.pop(key, None)
 
