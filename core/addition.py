@@ -34,16 +34,15 @@ bonus alone contributes 0.5/225 ~= 0.0022.
 
 from __future__ import annotations
 
-import math
-import numbers
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
 import attrs
 
 from core.checks import check_int
-from core.task import BOS_ID, EOS_ID, CharTokenizer, Prompt, Rewards, TokenIds, task_seed, validate_responses
+from core.match_reward import match_reward, reward_weight
+from core.task import BOS_ID, CharTokenizer, Prompt, Rewards, TokenIds, task_seed, validate_responses
 
 ADDITION_ALPHABET = "0123456789+="
 
@@ -56,18 +55,6 @@ def _check_max_operand(instance: object, attribute: attrs.Attribute, value: obje
 
 def _check_max_new_tokens(instance: object, attribute: attrs.Attribute, value: object) -> None:
     check_int("max_new_tokens", value, minimum=1)
-
-
-def _weight(name: str) -> Callable[[object], float]:
-    def convert(value: object) -> float:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"'{name}' must be a real number >= 0: got {type(value).__name__}")
-        number = float(value)
-        if not math.isfinite(number) or number < 0:
-            raise ValueError(f"'{name}' must be a finite real number >= 0: got {value!r}")
-        return number
-
-    return convert
 
 
 def _check_prompts(prompts: object) -> tuple[Prompt, ...]:
@@ -111,8 +98,8 @@ class AdditionTask:
         default=attrs.Factory(lambda self: len(str(2 * self.max_operand)) + 1, takes_self=True),
         validator=_check_max_new_tokens,
     )
-    digit_weight: float = attrs.field(default=0.5, converter=_weight("digit_weight"))
-    exact_bonus: float = attrs.field(default=0.5, converter=_weight("exact_bonus"))
+    digit_weight: float = attrs.field(default=0.5, converter=reward_weight("digit_weight"))
+    exact_bonus: float = attrs.field(default=0.5, converter=reward_weight("exact_bonus"))
     tokenizer: CharTokenizer = attrs.field(init=False, factory=lambda: CharTokenizer(ADDITION_ALPHABET), repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -192,8 +179,4 @@ class AdditionTask:
 
     def _reward(self, answer: str, response: TokenIds) -> float:
         target = self.tokenizer.encode(answer)
-        ended = bool(response) and response[-1] == EOS_ID
-        generated = response[:-1] if ended else response
-        matches = sum(1 for got, want in zip(generated, target) if got == want)
-        credit = self.digit_weight * (matches / max(len(target), len(generated)))  # ratio first: exact 1.0 at full credit
-        return credit + (self.exact_bonus if ended and generated == target else 0.0)
+        return match_reward(target, response, digit_weight=self.digit_weight, exact_bonus=self.exact_bonus)

@@ -614,6 +614,35 @@ def addition_rollouts(draw: st.DrawFn, *, positive_weights: bool = False) -> tup
     return task, prompt, tuple(body)
 
 
+# ---------------------------------------------------------------- match reward (core/match_reward.py)
+# core.task is imported inside the strategies, as this section is appended.
+
+reward_weights = st.floats(0.0, 4.0)
+
+
+@st.composite
+def match_cases(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A non-empty target of character ids and a response obeying the response contract (EOS only last).
+
+    Ids range over a small vocabulary plus a few ids with no character; the response
+    is biased towards the target's ids so matches and exact answers are common.
+    """
+    from core.task import EOS_ID
+
+    target = tuple(draw(st.lists(st.integers(3, 8), min_size=1, max_size=12)))
+    token = st.integers(0, 11).filter(lambda t: t != EOS_ID)
+    body = draw(
+        st.one_of(
+            st.lists(token, max_size=len(target) + 3),
+            st.just(list(target)),
+            st.lists(st.sampled_from(target), max_size=len(target) + 3),
+        )
+    )
+    if draw(st.booleans()):
+        body = [*body, EOS_ID]
+    return target, tuple(body)
+
+
 # ---------------------------------------------------------------- rollout carry (core/rollout_carry.py)
 # core.rollout_carry is imported inside the strategies, as this section is appended.
 
