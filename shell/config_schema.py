@@ -278,7 +278,7 @@ class TaskSection:
     """The task: its name and constructor arguments; ``instance`` is the task they build (not a key)."""
 
     PATH: ClassVar[str] = "task."
-    name: str = _key("'addition' or an import path 'package.module:Class'", _non_empty)
+    name: str = _key("a built-in task, 'addition' or 'reverse', or an import path 'package.module:Class'", _non_empty)
     kwargs: Mapping[str, Any] = attrs.field(
         converter=freeze, validator=_checked(), metadata={"help": "constructor arguments of the task"}
     )

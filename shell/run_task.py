@@ -1,7 +1,8 @@
 """The run's task: imported by ``task.name``, built with ``task.kwargs``, and probed before anything starts.
 
-``task.name`` is ``addition`` or an import path ``package.module:Class``; the
-class is called with ``task.kwargs``. :func:`probe_task` then asks the task for
+``task.name`` is a built-in name (``addition``, ``reverse``: see
+:data:`BUILT_IN_TASKS`) or an import path ``package.module:Class``; the class is
+called with ``task.kwargs``. :func:`probe_task` then asks the task for
 what the config checks need: the token length of a sample of its prompts (the
 longest row is that plus ``max_new_tokens``), and one reward per response (its
 ``rewards`` is called once, on a fresh instance, with two one-token responses).
@@ -21,12 +22,15 @@ from typing import Any
 
 import attrs
 
-from core.frozen import thaw
+from core.frozen import FrozenDict, thaw
 from core.task import EOS_ID, Prompt, Rewards, Task
 from shell.config_error import ConfigError
 
-ADDITION = "core.addition:AdditionTask"
-"""What ``task.name=addition`` stands for."""
+BUILT_IN_TASKS: Mapping[str, str] = FrozenDict({
+    "addition": "core.addition:AdditionTask",
+    "reverse": "core.reverse:ReverseTask",
+})
+"""What each built-in ``task.name`` stands for: the import path of its class."""
 PROBE_PROMPTS = 64
 """Prompts sampled (seed, step 0) to find the task's longest prompt."""
 PROBE_REWARDS = 2
@@ -34,7 +38,7 @@ PROBE_REWARDS = 2
 
 
 def load_task(name: str, kwargs: Mapping[str, Any]) -> Task:
-    """The task named by ``name`` (``addition`` or ``package.module:Class``), built with ``kwargs``.
+    """The task named by ``name`` (a key of :data:`BUILT_IN_TASKS` or ``package.module:Class``), built with ``kwargs``.
 
     Raises:
         ConfigError: naming ``task.name`` when the name is malformed, its import
@@ -45,10 +49,10 @@ def load_task(name: str, kwargs: Mapping[str, Any]) -> Task:
         >>> load_task("addition", {"max_new_tokens": 3}).max_new_tokens
         3
     """
-    path = ADDITION if name == "addition" else name
+    path = BUILT_IN_TASKS.get(name, name)
     module_name, _, class_name = path.partition(":")
     if not module_name or not class_name:
-        raise ConfigError("task.name", f"must be 'addition' or 'package.module:Class': got {name!r}")
+        raise ConfigError("task.name", f"must be {built_in_names()} or 'package.module:Class': got {name!r}")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except Exception as error:  # a plug-in module may raise anything at import: still a bad task.name
@@ -62,6 +66,11 @@ def load_task(name: str, kwargs: Mapping[str, Any]) -> Task:
         raise ConfigError("task.name", f"{path} does not implement core.task.Task (name, tokenizer, max_new_tokens, "
                                        f"prompts, prompt_ids, rewards)")
     return task
+
+
+def built_in_names() -> str:
+    """The built-in task names for messages: ``"'addition', 'reverse'"``."""
+    return ", ".join(repr(name) for name in BUILT_IN_TASKS)
 
 
 @attrs.frozen
