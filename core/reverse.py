@@ -67,22 +67,36 @@ MARKER = ">"
 """Ends the digit string of a prompt: the response starts after it."""
 
 
-def _check_length(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    check_int("length", value, minimum=1)
+def _length(value: object) -> int:
+    return check_int("length", value, minimum=1)
 
 
-def _check_digits(instance: object, attribute: attrs.Attribute, value: object) -> None:
+def _digits(value: object) -> int:
     number = check_int("digits", value, minimum=2)
     if number > 10:
         raise ValueError(f"'digits' must be an int in [2, 10]: got {number}")
+    return number
+
+
+def _check_length(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    _length(value)
+
+
+def _check_digits(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    _digits(value)
 
 
 def _check_max_new_tokens(instance: object, attribute: attrs.Attribute, value: object) -> None:
     check_int("max_new_tokens", value, minimum=1)
 
 
-def _alphabet(task: ReverseTask) -> CharTokenizer:
-    return CharTokenizer(DECIMAL_DIGITS[: task.digits] + MARKER)
+# The defaults below are built before the validators run: they check the fields they read.
+def _default_max_new_tokens(task: ReverseTask) -> int:
+    return _length(task.length) + 1
+
+
+def _tokenizer(task: ReverseTask) -> CharTokenizer:
+    return CharTokenizer(DECIMAL_DIGITS[: _digits(task.digits)] + MARKER)
 
 
 @attrs.frozen
@@ -115,13 +129,11 @@ class ReverseTask:
     length: int = attrs.field(default=10, validator=_check_length)
     digits: int = attrs.field(default=4, validator=_check_digits)
     max_new_tokens: int = attrs.field(
-        default=attrs.Factory(lambda self: self.length + 1, takes_self=True), validator=_check_max_new_tokens
+        default=attrs.Factory(_default_max_new_tokens, takes_self=True), validator=_check_max_new_tokens
     )
     digit_weight: float = attrs.field(default=0.5, converter=reward_weight("digit_weight"))
     exact_bonus: float = attrs.field(default=0.5, converter=reward_weight("exact_bonus"))
-    tokenizer: CharTokenizer = attrs.field(
-        init=False, default=attrs.Factory(_alphabet, takes_self=True), repr=False
-    )
+    tokenizer: CharTokenizer = attrs.field(init=False, default=attrs.Factory(_tokenizer, takes_self=True), repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.max_new_tokens < self.length + 1:

@@ -61,6 +61,10 @@ def test_reverse_task_rejects_bad_fields() -> None:
         ReverseTask(digits=1)
     with pytest.raises(TypeError, match="'digits' must be an int: got bool"):
         ReverseTask(digits=True)
+    with pytest.raises(TypeError, match="'digits' must be an int: got str"):
+        ReverseTask(digits="4")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="'length' must be an int: got str"):
+        ReverseTask(length="8")  # type: ignore[arg-type]
     with pytest.raises(
         ValueError, match=r"'max_new_tokens' must be >= 9 \(the 8 digits of the answer plus EOS\) for length=8: got 8"
     ):
