@@ -33,7 +33,7 @@ from core.frozen import freeze
 from core.step_plan import StepLayout
 from core.task import Task
 from shell.config_error import ConfigError
-from shell.run_task import TaskShape, load_task, probe_task
+from shell.run_task import TaskShape, built_in_names, load_task, probe_task
 
 
 TRANSFER_QUEUE_CPUS = 3.0
@@ -305,7 +305,7 @@ class TaskSection:
     """The task: its name and constructor arguments; ``instance`` is the task they build (not a key)."""
 
     PATH: ClassVar[str] = "task."
-    name: str = _key("a built-in task, 'addition' or 'reverse', or an import path 'package.module:Class'", _non_empty)
+    name: str = _key(f"a built-in task ({built_in_names()}) or an import path 'package.module:Class'", _non_empty)
     kwargs: Mapping[str, Any] = attrs.field(
         converter=freeze, validator=_checked(), metadata={"help": "constructor arguments of the task"}
     )

@@ -655,6 +655,83 @@ def addition_rollouts(draw: st.DrawFn, *, positive_weights: bool = False) -> tup
     return task, prompt, tuple(body)
 
 
+# ---------------------------------------------------------------- match reward (core/match_reward.py)
+# core.task is imported inside the strategies, as this section is appended.
+
+reward_weights = st.floats(0.0, 4.0)
+
+
+@st.composite
+def match_cases(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A non-empty target of character ids and a response obeying the response contract (EOS only last).
+
+    Ids range over a small vocabulary plus a few ids with no character; the response
+    is biased towards the target's ids so matches and exact answers are common.
+    """
+    from core.task import EOS_ID
+
+    target = tuple(draw(st.lists(st.integers(3, 8), min_size=1, max_size=12)))
+    token = st.integers(0, 11).filter(lambda t: t != EOS_ID)
+    body = draw(
+        st.one_of(
+            st.lists(token, max_size=len(target) + 3),
+            st.just(list(target)),
+            st.lists(st.sampled_from(target), max_size=len(target) + 3),
+        )
+    )
+    if draw(st.booleans()):
+        body = [*body, EOS_ID]
+    return target, tuple(body)
+
+
+# ---------------------------------------------------------------- the reverse task (core/reverse.py)
+# core.reverse / core.task are imported inside the strategies, as this section is appended.
+
+
+@st.composite
+def reverse_tasks(draw: st.DrawFn, *, positive_weights: bool = False) -> Any:
+    """A valid ``ReverseTask``: any length up to 14, any digit count, a generation limit with some slack, weights >= 0."""
+    from core.reverse import ReverseTask
+
+    length = draw(st.integers(1, 14))
+    low = 1e-3 if positive_weights else 0.0
+    return ReverseTask(
+        length=length,
+        digits=draw(st.integers(2, 10)),
+        max_new_tokens=draw(st.integers(length + 1, length + 4)),
+        digit_weight=draw(st.floats(low, 4.0)),
+        exact_bonus=draw(st.floats(low, 4.0)),
+    )
+
+
+@st.composite
+def reverse_rollouts(draw: st.DrawFn, *, positive_weights: bool = False) -> tuple[Any, Any, tuple[int, ...]]:
+    """A reverse task, one of its prompts, and a response obeying the response contract.
+
+    Response ids range over the tokenizer's vocabulary plus a few ids past it (a
+    padded model vocabulary); the body is biased towards the answer's digits (in
+    place, or shuffled) so matches and exact answers are common; EOS, if present, is last.
+    """
+    from core.task import EOS_ID
+
+    task = draw(reverse_tasks(positive_weights=positive_weights))
+    (prompt,) = task.prompts(draw(task_seeds), draw(task_steps), 1)
+    answer_ids = task.tokenizer.encode(prompt.answer)
+    token = st.integers(0, task.tokenizer.vocab_size + 2).filter(lambda t: t != EOS_ID)
+    body = draw(
+        st.one_of(
+            st.lists(token, max_size=task.max_new_tokens),
+            st.just(list(answer_ids)),
+            st.permutations(answer_ids),
+            st.lists(st.sampled_from(answer_ids), max_size=task.max_new_tokens),
+        )
+    )
+    body = list(body)[: task.max_new_tokens]
+    if len(body) < task.max_new_tokens and draw(st.booleans()):
+        body = [*body, EOS_ID]
+    return task, prompt, tuple(body)
+
+
 # ---------------------------------------------------------------- rollout carry (core/rollout_carry.py)
 # core.rollout_carry is imported inside the strategies, as this section is appended.
 

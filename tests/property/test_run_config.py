@@ -31,7 +31,7 @@ from shell.run_config import (
     save_run_config,
     select,
 )
-from shell.run_task import checked_rewards, load_task, probe_task
+from shell.run_task import BUILT_IN_TASKS, checked_rewards, load_task, probe_task
 from tests.property.strategies import plain_override_texts, run_config_overrides, yaml_11_words
 
 # The keys the product spec names; they must exist under exactly these names.
@@ -651,6 +651,32 @@ def test_load_task_addition_and_import_path_build_the_same_task() -> None:
     short = load_run_config(["task.kwargs.max_new_tokens=3"]).task
     long = load_run_config(["task.name=core.addition:AdditionTask", "task.kwargs.max_new_tokens=3"]).task
     assert short.instance == long.instance == short.build() == load_task("addition", {"max_new_tokens": 3})
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_IN_TASKS))
+def test_load_task_built_in_names_build_their_classes(name: str) -> None:
+    """Each built-in name and its import path give equal tasks, named by the name, whose longest row fits the default model."""
+    task = load_task(name, {})
+    assert task == load_task(BUILT_IN_TASKS[name], {}) and task.name == name
+    config = load_run_config([f"task.name={name}"])
+    shape = probe_task(task, load_task(name, {}), seed=0, name=name)
+    assert config.task.instance == task
+    assert shape.longest_row <= config.policy.model.max_sequence_length
+
+
+def test_load_task_reverse_passes_its_kwargs() -> None:
+    """task.name=reverse builds core.reverse.ReverseTask with task.kwargs; its row is BOS + digits + '>' + digits + EOS."""
+    config = load_run_config(["task.name=reverse", "task.kwargs.length=12", "task.kwargs.digits=10"])
+    task = config.task.instance
+    assert (type(task).__module__, type(task).__name__, task.length, task.digits) == ("core.reverse", "ReverseTask", 12, 10)
+    assert probe_task(task, config.task.build(), seed=0, name="reverse").longest_row == 1 + 12 + 1 + 12 + 1
+
+
+def test_load_run_config_malformed_task_name_lists_the_built_ins() -> None:
+    """A task.name that is neither a built-in nor 'package.module:Class' is rejected with every choice named."""
+    with _raises_naming("task.name") as info:
+        load_run_config(["task.name=reversal"])
+    assert "must be 'addition', 'reverse' or 'package.module:Class': got 'reversal'" in str(info.value)
 
 
 @pytest.mark.parametrize(
