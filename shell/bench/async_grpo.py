@@ -3,8 +3,8 @@
 For each seed (a *paired repeat*) it runs, one after the other in fresh
 processes, the synchronous trainer and async GRPO at each ``max_staleness``:
 ``python -m shell.run task.name=reverse task.kwargs.length=10
-task.kwargs.digits=4 seed=s grpo.num_steps=N ...`` (the generation-heavy task
-by default), rotating the order from seed to seed so no
+task.kwargs.digits=4 policy.micro_batch_tokens=0 seed=s grpo.num_steps=N ...``
+(the generation-heavy task, unpacked, by default), rotating the order from seed to seed so no
 variant always runs first. From each run's ``metrics.jsonl`` it reads:
 
 * **throughput**: steps per second of training, ``N / sum(step_time_s)`` (the
@@ -50,6 +50,10 @@ LAST = 10
 TASK_OVERRIDES = ("task.name=reverse", "task.kwargs.length=10", "task.kwargs.digits=4")
 """The generation-heavy task (11-token responses over 4 digit values), as the bench runs it unless ``overrides``
 set ``task.*`` themselves."""
+PACKING_OVERRIDES = ("policy.micro_batch_tokens=0",)
+"""No packing of the train micro-batches (the reverse task's recommended setting, ``docs/tasks.md``: 256-token bins
+hold ~11 of its rows, so the policy phases run two dozen tiny micro-batches a step), unless ``overrides`` set
+``policy.micro_batch_tokens`` themselves."""
 PHASES = ("rollout", "wait", "advantages", "logprobs", "write", "train", "refit", "finish")
 
 
@@ -99,9 +103,10 @@ class AsyncBenchConfig:
 
     @property
     def base_overrides(self) -> tuple[str, ...]:
-        """The task (unless the overrides name one) and the overrides."""
+        """The task (unless the overrides name one), no packing (unless they set it) and the overrides."""
         own_task = any(o.startswith("task.") for o in self.overrides)
-        return (*(() if own_task else TASK_OVERRIDES), *self.overrides)
+        own_packing = any(o.split("=", 1)[0] == "policy.micro_batch_tokens" for o in self.overrides)
+        return (*(() if own_task else TASK_OVERRIDES), *(() if own_packing else PACKING_OVERRIDES), *self.overrides)
 
 
 def steps_per_second(records: Records) -> float:

@@ -62,7 +62,13 @@ def test_async_bench_config_rejects_what_the_bench_sets(tmp_path: object) -> Non
         AsyncBenchConfig(seeds=1, steps=5, runs_dir=str(tmp_path))
     cfg = AsyncBenchConfig(seeds=1, steps=10, runs_dir=str(tmp_path), staleness=(1, 2))
     assert list(cfg.variants) == ["sync", "async-k1", "async-k2"]
-    assert cfg.base_overrides == ("task.name=reverse", "task.kwargs.length=10", "task.kwargs.digits=4")
+    assert cfg.base_overrides == (
+        "task.name=reverse", "task.kwargs.length=10", "task.kwargs.digits=4", "policy.micro_batch_tokens=0",
+    )
     assert AsyncBenchConfig(seeds=1, steps=10, runs_dir=str(tmp_path), overrides=("task.name=addition",)).base_overrides == (
-        "task.name=addition",
+        "policy.micro_batch_tokens=0", "task.name=addition",
+    )
+    own = ("policy.micro_batch_tokens=256", "data_plane.backend=memory")
+    assert AsyncBenchConfig(seeds=1, steps=10, runs_dir=str(tmp_path), overrides=own).base_overrides == (
+        "task.name=reverse", "task.kwargs.length=10", "task.kwargs.digits=4", *own,
     )
