@@ -15,6 +15,7 @@ gap, and the records are never changed.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -226,7 +227,7 @@ def plot_run(
     if not any(math.isfinite(c) for c in clock):
         _no_clock(bottom)
     if title is not None:
-        figure.suptitle(str(title))
+        figure.suptitle(_wrapped(title))
     return _save(figure, path, dpi)
 
 
@@ -303,5 +304,10 @@ def plot_compare(
     if not clocked:
         _no_clock(bottom)
     if title is not None:
-        figure.suptitle(str(title))
+        figure.suptitle(_wrapped(title))
     return _save(figure, path, dpi)
+
+
+def _wrapped(title: object, width: int = 100) -> str:
+    """``title`` with each line wrapped at ``width`` characters, so a long title stays inside the figure."""
+    return "\n".join(textwrap.fill(line, width) for line in str(title).splitlines())

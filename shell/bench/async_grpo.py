@@ -18,7 +18,7 @@ variant always runs first. From each run's ``metrics.jsonl`` it reads:
   data, the collector's wait, and the generated tokens per second.
 
 It also draws every variant's reward per step and over training seconds (seed
-``first_seed``; the others as faint lines) into one PNG with
+``first_seed``) into one PNG with
 :func:`shell.run_plot.plot_compare`.
 
 Invariant: every number reported is read from the ``metrics.jsonl`` files of
