@@ -931,7 +931,11 @@ def run_config_overrides(draw: st.DrawFn) -> list[str]:
         f"grpo.async.max_staleness={draw(st.integers(0, 2**31))}",
         f"grpo.async.buffer_groups={draw(st.integers(32, 2**31))}",  # >= grpo.num_prompts_per_step (32)
         f"grpo.async.is_cap={draw(st.floats(1.0, 1e6))!r}",
+        f"rollout.precision={draw(st.sampled_from(['fp32', 'bf16']))}",
     ]
+    experts = draw(st.one_of(st.just(0), st.integers(2, 64)))
+    out += [f"policy.model.num_experts={experts}", f"policy.model.moe_topk={draw(st.integers(1, experts or 4))}"]
+    out.append(f"policy.router_replay={draw(st.sampled_from(['off', 'r3'])) if experts else 'off'}")
     if draw(st.booleans()):
         out.append(f"run.dir={draw(st.one_of(plain_override_texts, yaml_11_words).filter(lambda t: t not in ('null', '~')))}")
     return out
