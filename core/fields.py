@@ -6,8 +6,8 @@ rank batch; ``B`` is the rows of a batch, ``S`` its padded token width. An
 :class:`~core.meta.KVBatchMeta`.
 
 Invariant: each name is spelled once, here; every other module imports it.
-A field is per-token (``[B, S]`` padded, or jagged on the wire and trimmed to
-each row's length) exactly when it is in :data:`TOKEN_FIELDS`.
+A field is per-token (``[B, S, ...]`` padded, or jagged on the wire and trimmed
+to each row's length) exactly when it is in :data:`TOKEN_FIELDS`.
 """
 
 from __future__ import annotations
@@ -23,15 +23,19 @@ ADVANTAGES = "advantages"  # FloatTensor[B] (per row, as GRPO writes it) or [B, 
 SAMPLE_MASK = "sample_mask"  # FloatTensor[B]: 1 for rows that count in the loss, 0 for filtered rows
 GENERATION_LOGPROBS = "generation_logprobs"  # FloatTensor[B, S]: log-probs the behaviour policy sampled each token with (async)
 VERSION_LAG = "version_lag"  # FloatTensor[B]: trainer's weight version minus the row's sampling version (async)
+ROUTED_EXPERTS = "routed_experts"  # IntTensor[B, S, layers, topk]: experts the MoE router chose at rollout, -1 = no route (R3)
 
 FIELDS: tuple[str, ...] = (
-    INPUT_IDS, TOKEN_MASK, LENGTHS, GENERATION_LOGPROBS, PREV_LOGPROBS, REFERENCE_LOGPROBS, ADVANTAGES, SAMPLE_MASK,
+    INPUT_IDS, TOKEN_MASK, LENGTHS, GENERATION_LOGPROBS, ROUTED_EXPERTS, PREV_LOGPROBS, REFERENCE_LOGPROBS, ADVANTAGES, SAMPLE_MASK,
     VERSION_LAG,
 )
 """Every field name, in the order a step produces them."""
 
-TOKEN_FIELDS: frozenset[str] = frozenset({INPUT_IDS, TOKEN_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS, REFERENCE_LOGPROBS})
-"""The per-token fields: ``[B, S]`` in a rank batch, jagged (trimmed to each row's length) in the store."""
+TOKEN_FIELDS: frozenset[str] = frozenset(
+    {INPUT_IDS, TOKEN_MASK, GENERATION_LOGPROBS, ROUTED_EXPERTS, PREV_LOGPROBS, REFERENCE_LOGPROBS}
+)
+"""The per-token fields: ``[B, S, *rest]`` in a rank batch (``rest`` is ``()`` but for ``routed_experts``'
+``(layers, topk)``), jagged (trimmed to each row's length) in the store."""
 
 # ---------------------------------------------------------------- per-key tags
 

@@ -12,7 +12,8 @@ in ``grpo.yaml`` alone. :mod:`shell.run_config` reads text into these classes.
 Invariant: a ``RunConfig`` that exists is runnable. Every check is made when it
 is built: per-field validators (type, range, finiteness), then
 ``__attrs_post_init__`` for relations between keys (the layout divides the
-model; the task loads and its longest row fits the model and the
+model; an MoE model routes at most its experts per token and router replay
+needs one; the task loads and its longest row fits the model and the
 micro-batches; async GRPO runs on the data plane, without DAPO, with a buffer
 of at least one step's groups; the embedded cluster has the CPUs the run's
 actors need). Every failure is a :class:`ConfigError` naming its key, raised
@@ -57,6 +58,20 @@ class FetchPolicyName(str, enum.Enum):
     leader_broadcast = "leader_broadcast"
 
 
+class RouterReplayMode(str, enum.Enum):
+    """Whether training replays the rollout's MoE routing (R3, :mod:`core.routing`)."""
+
+    off = "off"
+    r3 = "r3"
+
+
+class RolloutPrecision(str, enum.Enum):
+    """The rollout engine's compute precision."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class ProgressMode(str, enum.Enum):
     """How the run shows progress: a live bar on a terminal or plain lines (``auto``), or one of them."""
 
@@ -86,6 +101,10 @@ def _above(low: float) -> Check:
 
 def _within(low: float, high: float) -> Check:
     return lambda v: None if low <= v <= high else f"must be in [{low}, {high}]"
+
+
+def _dense_or_experts(v: int) -> str | None:
+    return None if v == 0 or v >= 2 else "must be 0 (a dense MLP) or >= 2 (experts per MoE layer)"
 
 
 def _finite(v: Any) -> str | None:
@@ -265,6 +284,11 @@ class ModelSection:
     num_layers: int = _key("transformer layers", _at_least(1))
     num_attention_heads: int = _key("attention heads", _at_least(1))
     max_sequence_length: int = _key("positions of the model (the longest row must fit)", _at_least(1))
+    num_experts: int = _key(
+        "experts of each layer's MoE MLP (0: a dense MLP); no expert parallelism: every rank holds every expert",
+        _dense_or_experts,
+    )
+    moe_topk: int = _key("experts routed per token, in [1, num_experts] (MoE only; unused when dense)", _at_least(1))
 
     def __attrs_post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -272,6 +296,11 @@ class ModelSection:
                 "policy.model.hidden_size",
                 f"must be a multiple of policy.model.num_attention_heads ({self.num_attention_heads}): "
                 f"got {self.hidden_size}",
+            )
+        if self.num_experts and self.moe_topk > self.num_experts:
+            raise ConfigError(
+                "policy.model.moe_topk",
+                f"must be in [1, policy.model.num_experts ({self.num_experts})]: got {self.moe_topk}",
             )
 
 
@@ -288,6 +317,10 @@ class PolicySection:
         "sequence packing: token capacity of a micro-batch, >= the longest row (0: no packing)", _at_least(0)
     )
     fetch_policy: FetchPolicyName = _key("auto | independent | leader_broadcast")
+    router_replay: RouterReplayMode = _key(
+        "off | r3: replay the rollout's MoE routing in training (needs policy.model.num_experts > 0; "
+        "checked, not wired into the workers yet)"
+    )
     num_cpus_per_worker: float = _number("Ray CPUs per policy rank and per rollout engine", _above(0))
     timeout_s: float = _number("a worker call that takes longer fails the run", _above(0))
 
@@ -298,6 +331,21 @@ class PolicySection:
             raise ConfigError("policy.layout.tensor_parallel", f"must divide policy.model.num_attention_heads ({heads}): got {tp}")
         if layers % pp:
             raise ConfigError("policy.layout.pipeline_parallel", f"must divide policy.model.num_layers ({layers}): got {pp}")
+        if self.router_replay == RouterReplayMode.r3 and not self.model.num_experts:
+            raise ConfigError(
+                "policy.router_replay",
+                "must be off for a dense model (policy.model.num_experts = 0; R3 replays MoE routing): got r3",
+            )
+
+
+@attrs.frozen
+class RolloutSection:
+    """``rollout``: how the rollout engine samples."""
+
+    PATH: ClassVar[str] = "rollout."
+    precision: RolloutPrecision = _key(
+        "fp32 | bf16: the rollout engine's compute precision (checked, not wired yet: the engine computes in fp32)"
+    )
 
 
 @attrs.frozen
@@ -350,6 +398,7 @@ class RunConfig:
     ray: RaySection = _section(RaySection)
     grpo: GrpoSection = _section(GrpoSection)
     policy: PolicySection = _section(PolicySection)
+    rollout: RolloutSection = _section(RolloutSection)
     task: TaskSection = _section(TaskSection)
     data_plane: DataPlaneSection = _section(DataPlaneSection)
 
@@ -449,7 +498,7 @@ def cluster_cpus(config: RunConfig) -> tuple[float, str]:
 
 
 for _cls in (RunSection, RaySection, DapoSection, LossSection, AsyncSection, GrpoSection, LayoutSection,
-             ModelSection, PolicySection, TaskSection, DataPlaneSection, RunConfig):
+             ModelSection, PolicySection, RolloutSection, TaskSection, DataPlaneSection, RunConfig):
     attrs.resolve_types(_cls)
 
 

@@ -72,7 +72,8 @@ def build_task(config: RunConfig) -> Task:
 
 
 def model_config(config: RunConfig, task: Task) -> TinyGPTConfig:
-    """The tiny GPT's shape: the config's sizes and the task's vocabulary (padded to a multiple of 8 and of TP)."""
+    """The tiny GPT's shape: the config's sizes (MoE experts and top-k included) and the task's vocabulary (padded to a
+    multiple of 8 and of TP)."""
     m = config.policy.model
     return TinyGPTConfig(
         vocab_size=task.tokenizer.padded_vocab_size(math.lcm(_VOCAB_MULTIPLE, config.policy.layout.tensor_parallel)),
@@ -80,6 +81,8 @@ def model_config(config: RunConfig, task: Task) -> TinyGPTConfig:
         num_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads,
         max_sequence_length=m.max_sequence_length,
+        num_experts=m.num_experts,
+        moe_topk=m.moe_topk,
     )
 
 

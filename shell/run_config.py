@@ -32,6 +32,8 @@ from shell.config_error import ConfigError
 from shell.config_schema import (
     FetchPolicyName,
     ProgressMode,
+    RolloutPrecision,
+    RouterReplayMode,
     RunConfig,
     StoreBackend,
     cluster_cpus,
@@ -41,7 +43,8 @@ from shell.config_schema import (
 from shell.config_yaml import Tree, dump, override_node, read_document, read_value, set_path
 
 __all__ = [
-    "ConfigError", "RunConfig", "StoreBackend", "FetchPolicyName", "ProgressMode", "load_run_config",
+    "ConfigError", "RunConfig", "StoreBackend", "FetchPolicyName", "ProgressMode", "RouterReplayMode",
+    "RolloutPrecision", "load_run_config",
     "parse_overrides", "run_config_from_dict", "run_config_to_dict", "dump_run_config", "save_run_config",
     "describe_keys", "select", "cluster_cpus",
 ]

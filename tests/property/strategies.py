@@ -17,6 +17,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from core.meta import KVBatchMeta
 from core.packing import PACKING_ALGORITHMS
+from core.routing import routing_dtype
 from core.step_plan import StepLayout
 from core.micro_batch import DynamicBatchingSpec, PackingSpec
 from core.topology import AXES, NamedSharding
@@ -439,6 +440,52 @@ def version_lags(draw: st.DrawFn, rows: int) -> torch.Tensor:
         lambda entry: st.lists(entry, min_size=rows, max_size=rows)
     )
     return torch.tensor(draw(lag), dtype=draw(st.sampled_from([torch.int64, torch.float64])))
+
+
+# router replay (core/routing.py)
+
+expert_counts = st.one_of(st.integers(1, 300), st.integers(32_700, 32_800), st.integers(1, 2**31))
+"""``num_experts`` values, dense around the int8 and int16 boundaries (128, 32768) and up to int32's (2**31)."""
+
+
+@st.composite
+def routing_cases(
+    draw: st.DrawFn, *, max_rows: int = 4, max_len: int = 6, max_layers: int = 3, max_experts: int = 10
+) -> dict[str, Any]:
+    """A valid padded routing: ``routed`` [B, S, layers, topk] in ``routing_dtype(num_experts)``, ``lengths``,
+    ``num_layers``, ``topk`` and ``num_experts``.
+
+    Each real token's slots hold ``topk`` distinct experts in ``[0, num_experts)``, in random order; padding
+    holds -1, 0 or junk (out-of-range ids, repeats), which a valid routing may have there.
+    """
+    experts = draw(st.integers(1, max_experts))
+    topk, layers = draw(st.integers(1, experts)), draw(st.integers(1, max_layers))
+    lengths = draw(codec_row_lengths(max_rows=max_rows, max_len=max_len))
+    width = max(lengths, default=0) + draw(st.integers(0, 2))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    shape = (len(lengths), width, layers)
+    routed = torch.rand((*shape, experts), generator=gen).argsort(dim=-1)[..., :topk]
+    padding = draw(st.sampled_from(["no_route", "zero", "junk"]))
+    fill = {
+        "no_route": torch.full((*shape, topk), -1),
+        "zero": torch.zeros((*shape, topk), dtype=torch.int64),
+        "junk": torch.randint(-1, experts + 3, (*shape, topk), generator=gen),
+    }[padding]
+    real = torch.arange(width) < torch.tensor(lengths, dtype=torch.int64).reshape(-1, 1)
+    routed = torch.where(real[:, :, None, None], routed, fill).to(routing_dtype(experts))
+    return {"routed": routed, "lengths": lengths, "num_layers": layers, "topk": topk, "num_experts": experts}
+
+
+@st.composite
+def mismatch_inputs(draw: st.DrawFn, *, max_batch: int = 4, max_len: int = 6) -> dict[str, torch.Tensor]:
+    """Float64 ``train_logprobs`` and ``rollout_logprobs`` [B, S] (rollout = train shifted by [-1, 1], exactly train on
+    some rows) and a bool or weighted ``mask``."""
+    case = draw(policy_loss_inputs(max_batch=max_batch, max_len=max_len))
+    train = case["logprobs"]
+    b, s = train.shape
+    same = torch.tensor(draw(st.lists(st.booleans(), min_size=b, max_size=b)))
+    rollout = torch.where(same[:, None], train, train + _float_grid(draw, (b, s), -1.0, 1.0))
+    return {"train_logprobs": train, "rollout_logprobs": rollout, "mask": case["mask"]}
 
 
 # ---------------------------------------------------------------- stores
@@ -884,7 +931,11 @@ def run_config_overrides(draw: st.DrawFn) -> list[str]:
         f"grpo.async.max_staleness={draw(st.integers(0, 2**31))}",
         f"grpo.async.buffer_groups={draw(st.integers(32, 2**31))}",  # >= grpo.num_prompts_per_step (32)
         f"grpo.async.is_cap={draw(st.floats(1.0, 1e6))!r}",
+        f"rollout.precision={draw(st.sampled_from(['fp32', 'bf16']))}",
     ]
+    experts = draw(st.one_of(st.just(0), st.integers(2, 64)))
+    out += [f"policy.model.num_experts={experts}", f"policy.model.moe_topk={draw(st.integers(1, experts or 4))}"]
+    out.append(f"policy.router_replay={draw(st.sampled_from(['off', 'r3'])) if experts else 'off'}")
     if draw(st.booleans()):
         out.append(f"run.dir={draw(st.one_of(plain_override_texts, yaml_11_words).filter(lambda t: t not in ('null', '~')))}")
     return out

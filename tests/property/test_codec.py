@@ -7,6 +7,7 @@ are checked bit for bit (dtype, shape and the raw bits of every element).
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.codec import is_jagged, jagged_lengths, materialize, pack_fields, to_jagged, to_padded
+from core.fields import ROUTED_EXPERTS, TOKEN_FIELDS
+from core.routing import NO_ROUTE
 from tests.property.strategies import (
     codec_dtypes,
     codec_row_lengths,
@@ -22,6 +25,7 @@ from tests.property.strategies import (
     pad_values_for,
     padded_batches,
     random_tensor,
+    routing_cases,
 )
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -174,6 +178,22 @@ def test_to_jagged_inverts_to_padded(jagged: torch.Tensor, multiple: int) -> Non
     rows, back_rows = _rows(jagged), _rows(back)
     assert len(rows) == len(back_rows)
     assert all(_same(a, b) for a, b in zip(rows, back_rows))
+
+
+@given(routing_cases())
+@settings(max_examples=60)
+def test_routed_experts_round_trip_padded_jagged_padded_with_pad_minus_one(case: dict[str, Any]) -> None:
+    """A [rows, tokens, layers, topk] int8 routing: jagged rows are its real tokens, and padding them back with
+    -1 gives it on the real tokens and -1 (no route) everywhere else, dtype and shape kept."""
+    routed, lengths = case["routed"], case["lengths"]
+    jagged = to_jagged(routed, lengths)
+    assert all(_same(row, routed[i, : lengths[i]]) for i, row in enumerate(_rows(jagged)))
+    back = to_padded(jagged, pad_value=NO_ROUTE, pad_to_length=routed.shape[1])
+    real = _valid_mask(lengths, routed.shape[1])[:, :, None, None]
+    assert _same(back, torch.where(real, routed, torch.full_like(routed, NO_ROUTE)))
+    packed = pack_fields({ROUTED_EXPERTS: routed}, lengths=lengths, token_fields=TOKEN_FIELDS & {ROUTED_EXPERTS})
+    again = materialize(packed, pad_values={ROUTED_EXPERTS: NO_ROUTE}, pad_to_length=routed.shape[1])[ROUTED_EXPERTS]
+    assert _same(again, back)
 
 
 @given(codec_row_lengths(), st.integers(1, 8), st.integers(0, 8))

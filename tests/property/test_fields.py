@@ -14,6 +14,7 @@ def test_fields_spell_every_name_as_the_plan_fixes_it() -> None:
     assert (fields.INPUT_IDS, fields.TOKEN_MASK, fields.LENGTHS) == ("input_ids", "token_mask", "lengths")
     assert (fields.PREV_LOGPROBS, fields.REFERENCE_LOGPROBS) == ("prev_logprobs", "reference_policy_logprobs")
     assert (fields.ADVANTAGES, fields.SAMPLE_MASK) == ("advantages", "sample_mask")
+    assert fields.ROUTED_EXPERTS == "routed_experts"
     assert fields.GLOBAL_FORWARD_PAD_SEQLEN == "global_forward_pad_seqlen"
     assert (fields.MICRO_BATCH_INDICES, fields.MICRO_BATCH_LENGTHS) == ("micro_batch_indices", "micro_batch_lengths")
 
@@ -25,8 +26,16 @@ def test_fields_names_are_unique_and_token_fields_are_fields() -> None:
     assert not set(fields.FIELDS) & set(fields.EXTRA_INFO_KEYS)
     assert fields.TOKEN_FIELDS <= set(fields.FIELDS)
     assert fields.TOKEN_FIELDS == {
-        fields.INPUT_IDS, fields.TOKEN_MASK, fields.GENERATION_LOGPROBS, fields.PREV_LOGPROBS, fields.REFERENCE_LOGPROBS
+        fields.INPUT_IDS, fields.TOKEN_MASK, fields.GENERATION_LOGPROBS, fields.ROUTED_EXPERTS, fields.PREV_LOGPROBS,
+        fields.REFERENCE_LOGPROBS,
     }
+
+
+def test_fields_routed_experts_is_a_rollout_token_field() -> None:
+    """``routed_experts`` is per-token and comes after the rollout's fields and before the trainer's, in step order."""
+    order = fields.FIELDS
+    assert fields.is_token_field(fields.ROUTED_EXPERTS)
+    assert order.index(fields.GENERATION_LOGPROBS) < order.index(fields.ROUTED_EXPERTS) < order.index(fields.PREV_LOGPROBS)
 
 
 @given(st.one_of(st.sampled_from(fields.FIELDS), st.text(max_size=12)))

@@ -164,6 +164,11 @@ BAD_INPUTS: list[tuple[str, Argv, str, str]] = [
      "data_plane.enabled", "must be true when grpo.async.enabled is true (async GRPO moves rows through the store)"),
     ("async with DAPO", lambda t: ["grpo.async.enabled=true", "grpo.dapo.enabled=true"], "grpo.dapo.enabled",
      "are not supported together yet): got true"),
+    ("router_replay=r3 on a dense model", lambda t: ["policy.router_replay=r3"], "policy.router_replay",
+     "must be off for a dense model (policy.model.num_experts = 0; R3 replays MoE routing): got r3"),
+    ("moe_topk above the experts", lambda t: ["policy.model.num_experts=2", "policy.model.moe_topk=3"],
+     "policy.model.moe_topk", "must be in [1, policy.model.num_experts (2)]: got 3"),
+    ("rollout.precision=fp16", lambda t: ["rollout.precision=fp16"], "rollout.precision", "one of fp32, bf16: got 'fp16'"),
     ("async buffer below a step", lambda t: ["grpo.async.enabled=true", "grpo.async.buffer_groups=16"],
      "grpo.async.buffer_groups", "must be >= grpo.num_prompts_per_step (32; a step samples that many whole groups): got 16"),
 ]

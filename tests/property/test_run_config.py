@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import keyword
 import math
 import re
@@ -15,10 +16,13 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shell.config_schema import TRANSFER_QUEUE_CPUS, AsyncSection, config_key, schema_fields
+from shell.config_schema import TRANSFER_QUEUE_CPUS, AsyncSection, RolloutSection, config_key, schema_fields
+from shell.grpo_trainer import model_config
 from shell.run_config import (
     ConfigError,
     ProgressMode,
+    RolloutPrecision,
+    RouterReplayMode,
     RunConfig,
     StoreBackend,
     cluster_cpus,
@@ -91,7 +95,7 @@ def _with(config: RunConfig, overrides: list[str]) -> dict[str, Any]:
             if isinstance(value, dict) and isinstance(into.get(key), dict):
                 merge(into[key], value)
             else:
-                into[key] = value.value if isinstance(value, ProgressMode | StoreBackend) else value
+                into[key] = value.value if isinstance(value, enum.Enum) else value
 
     merge(data, parsed)
     return data
@@ -234,6 +238,12 @@ def test_parse_overrides_rejects_an_override_without_equals(item: str) -> None:
         ("grpo.async.max_staleness=1.5", "grpo.async.max_staleness"),
         ("grpo.async.buffer_groups=many", "grpo.async.buffer_groups"),
         ("grpo.async.is_cap=big", "grpo.async.is_cap"),
+        ("policy.model.num_experts=many", "policy.model.num_experts"),
+        ("policy.model.moe_topk=1.5", "policy.model.moe_topk"),
+        ("policy.router_replay=r2", "policy.router_replay"),
+        ("policy.router_replay=true", "policy.router_replay"),
+        ("rollout.precision=fp16", "rollout.precision"),
+        ("rollout.nope=1", "rollout.nope"),
     ],
 )
 def test_load_run_config_rejects_unknown_keys_and_ill_typed_values(override: str, key: str) -> None:
@@ -280,6 +290,11 @@ IMPOSSIBLE = [
     (["policy.model.hidden_size=66", "policy.model.num_attention_heads=4"], "policy.model.hidden_size"),
     (["policy.layout.tensor_parallel=3", "policy.model.num_attention_heads=4"], "policy.layout.tensor_parallel"),
     (["policy.layout.pipeline_parallel=3", "policy.model.num_layers=2"], "policy.layout.pipeline_parallel"),
+    (["policy.model.num_experts=1"], "policy.model.num_experts"),
+    (["policy.model.num_experts=-2"], "policy.model.num_experts"),
+    (["policy.model.moe_topk=0"], "policy.model.moe_topk"),
+    (["policy.model.num_experts=4", "policy.model.moe_topk=5"], "policy.model.moe_topk"),
+    (["policy.router_replay=r3"], "policy.router_replay"),
     (["policy.learning_rate=0"], "policy.learning_rate"),
     (["policy.micro_batch_tokens=-1"], "policy.micro_batch_tokens"),
     (["policy.num_cpus_per_worker=0"], "policy.num_cpus_per_worker"),
@@ -416,6 +431,86 @@ def test_run_config_from_dict_rejects_async_relations(overrides: list[str], key:
     valid = load_run_config(overrides)  # async off: the relation is not checked
     with _raises_naming(key):
         attrs.evolve(valid, grpo=attrs.evolve(valid.grpo, async_=attrs.evolve(valid.grpo.async_, enabled=True)))
+
+
+# ---------------------------------------------------------------- MoE, router replay and rollout precision
+
+
+def test_load_run_config_moe_keys_default_to_a_dense_fp32_run(defaults: RunConfig) -> None:
+    """The packaged config is dense (num_experts 0, moe_topk 2), without router replay, with an fp32 rollout."""
+    model = defaults.policy.model
+    assert (model.num_experts, model.moe_topk) == (0, 2)
+    assert defaults.policy.router_replay == RouterReplayMode.off
+    assert defaults.rollout == RolloutSection(precision=RolloutPrecision.fp32)
+    shown = {key: value for key, value, _ in describe_keys(defaults)}
+    assert [shown[k] for k in ("policy.model.num_experts", "policy.model.moe_topk", "policy.router_replay",
+                               "rollout.precision")] == ["0", "2", "off", "fp32"]
+    helps = {key: comment for key, _, comment in describe_keys(defaults)}
+    assert "no expert parallelism" in helps["policy.model.num_experts"]
+
+
+@pytest.mark.parametrize(("experts", "topk"), [(2, 1), (2, 2), (8, 2), (64, 8)])
+def test_load_run_config_moe_reaches_the_model_config(experts: int, topk: int) -> None:
+    """An MoE config with 1 <= moe_topk <= num_experts loads, with R3 and bf16, and its TinyGPTConfig is MoE alike."""
+    config = load_run_config([f"policy.model.num_experts={experts}", f"policy.model.moe_topk={topk}",
+                              "policy.router_replay=r3", "rollout.precision=bf16"])
+    assert (config.policy.router_replay, config.rollout.precision) == (RouterReplayMode.r3, RolloutPrecision.bf16)
+    model = model_config(config, config.task.instance)
+    assert (model.num_experts, model.moe_topk, model.is_moe) == (experts, topk, True)
+    assert not model_config(load_run_config(), config.task.instance).is_moe
+
+
+# The MoE relations: the overrides, the key named and the message after it.
+MOE_RELATIONS = [
+    (["policy.router_replay=r3"], "policy.router_replay",
+     "must be off for a dense model (policy.model.num_experts = 0; R3 replays MoE routing): got r3"),
+    (["policy.model.num_experts=1"], "policy.model.num_experts",
+     "must be 0 (a dense MLP) or >= 2 (experts per MoE layer): got 1"),
+    (["policy.model.num_experts=4", "policy.model.moe_topk=5"], "policy.model.moe_topk",
+     "must be in [1, policy.model.num_experts (4)]: got 5"),
+    (["policy.model.num_experts=8", "policy.model.moe_topk=0"], "policy.model.moe_topk", "must be >= 1: got 0"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "message"), MOE_RELATIONS, ids=[" ".join(o) for o, _, _ in MOE_RELATIONS])
+def test_load_run_config_rejects_moe_relations(overrides: list[str], key: str, message: str) -> None:
+    """R3 on a dense model, one expert, or a top-k above the experts is a ConfigError naming the key, expected and got."""
+    with _raises_naming(key) as info:
+        load_run_config(overrides)
+    assert (info.value.key, info.value.message) == (key, message)
+    with _raises_naming(key):
+        run_config_from_dict(_with(load_run_config(), overrides))
+
+
+def test_load_run_config_a_dense_model_ignores_moe_topk() -> None:
+    """With num_experts 0, any moe_topk >= 1 loads (it is unused), and R3 stays rejected whatever the top-k."""
+    assert load_run_config(["policy.model.moe_topk=64"]).policy.model.moe_topk == 64
+    with _raises_naming("policy.router_replay"):
+        load_run_config(["policy.model.moe_topk=1", "policy.router_replay=r3"])
+
+
+def test_save_run_config_round_trips_the_moe_keys(tmp_path: Path) -> None:
+    """config.yaml holds num_experts, moe_topk, router_replay and rollout.precision, and loads back equal."""
+    config = load_run_config(["policy.model.num_experts=4", "policy.model.moe_topk=1", "policy.router_replay=r3",
+                              "rollout.precision=bf16"])
+    text = dump_run_config(config)
+    assert "router_replay: r3" in text and "\nrollout:\n  precision: bf16\n" in text
+    assert load_run_config(config_file=save_run_config(config, tmp_path / "config.yaml")) == config
+
+
+def test_load_run_config_an_older_config_file_names_the_first_new_key(tmp_path: Path, defaults: RunConfig) -> None:
+    """A run's config.yaml from before the MoE keys fails naming the first of them (every key is required, with no
+    silent default), and loads once the keys are given as overrides."""
+    data = run_config_to_dict(defaults)
+    del data["policy"]["model"]["num_experts"], data["policy"]["model"]["moe_topk"]
+    del data["policy"]["router_replay"], data["rollout"]
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(ConfigError, match=rf"has no value: set it in {re.escape(str(path))} or as policy.model.num_experts=") as info:
+        load_run_config(config_file=path)
+    assert info.value.key == "policy.model.num_experts"
+    upgrade = ["policy.model.num_experts=0", "policy.model.moe_topk=2", "policy.router_replay=off", "rollout.precision=fp32"]
+    assert load_run_config(upgrade, config_file=path) == defaults
 
 
 # ---------------------------------------------------------------- config files
