@@ -485,8 +485,16 @@ class MegatronGPTBackend:
             TypeError: ``micro_batches`` is not a non-empty sequence of mappings,
                 or ``loss_fn`` returns something other than (scalar tensor, mapping).
             ValueError: a micro-batch lacks ``input_ids`` or ``lengths`` or has
-                out-of-range values or a bad ``routed_experts`` (as :meth:`logprobs`).
+                out-of-range values or a bad ``routed_experts`` (as :meth:`logprobs`),
+                or the model is MoE and tensor-parallel (megatron needs sequence
+                parallelism to train MoE under TP; log-probs, routing and replay
+                work under TP).
         """
+        if self.config.is_moe and self.tensor_parallel > 1:
+            raise ValueError(
+                "'train_step' of an MoE model needs tensor_parallel = 1 (megatron trains MoE under TP only with "
+                f"sequence parallelism, which this backend does not set up): got {self.tensor_parallel}"
+            )
         if isinstance(micro_batches, Mapping) or not isinstance(micro_batches, Sequence) or not micro_batches:
             raise TypeError(
                 f"'micro_batches' must be a non-empty list of dicts: got {type(micro_batches).__name__}"
