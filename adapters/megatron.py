@@ -7,7 +7,9 @@ builds a policy ``GPTModel`` (:mod:`adapters.megatron_setup`, which also states
 the rank layout) wrapped in megatron's ``DistributedDataParallel``, a frozen
 reference copy of the initial policy, and megatron's Adam. Batches are checked
 and scored by :mod:`adapters.megatron_batch`; sampling is
-:mod:`adapters.megatron_generate`.
+:mod:`adapters.megatron_generate`; an MoE model's routing is recorded and
+replayed by :mod:`adapters.megatron_routing` (R3: the trainer replays the
+experts the rollout chose, per token and layer).
 
 Invariants:
   * every layout (any TP, PP) built with the same ``seed`` starts from the same
@@ -20,7 +22,11 @@ Invariants:
   * on CPU the same seed and inputs give bitwise the same log-probs, losses and
     weights after a step;
   * :meth:`~MegatronGPTBackend.state_dict` is layout-free: the full model under
-    TP=1, PP=1 names, the same on every rank; any layout can load it.
+    TP=1, PP=1 names, the same on every rank; any layout can load it;
+  * MoE: a forward given ``routed_experts`` sends every real token to exactly
+    those experts in every layer (each pipeline stage replays its own layers,
+    through the routers of the model it runs, never another model's); a forward
+    without routes by the routers' scores.
 
 Wiring: TP splits heads, MLP and vocabulary (log-probs come from megatron's
 vocab-parallel cross entropy, all-reduced over TP); PP runs megatron's
@@ -56,6 +62,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from adapters import megatron_routing as routing
 from adapters import megatron_setup as setup
 from adapters import megatron_weights as weights
 from adapters.megatron_batch import check_batch, logprobs_from_ce, stage_forward, to_device
@@ -171,6 +178,8 @@ class MegatronGPTBackend:
         self._reference.load_state_dict(initial.state_dict())
         self._reference.requires_grad_(False)
         self._reference.eval()
+        self._policy_routers = routing.layer_routers(initial)
+        self._reference_routers = routing.layer_routers(self._reference)
 
         self._policy = DistributedDataParallel(
             config=initial.config, ddp_config=DistributedDataParallelConfig(), module=initial
@@ -227,13 +236,19 @@ class MegatronGPTBackend:
         loss_func: Callable[[dict[str, torch.Tensor], torch.Tensor], Any],
         *,
         forward_only: bool,
+        routers: Sequence[routing.LayerRouter],
     ) -> list[Any]:
-        """megatron's forward(-backward) schedule over ``micro_batches``; the last stage's per-micro-batch store."""
+        """megatron's forward(-backward) schedule over ``micro_batches``; the last stage's per-micro-batch store.
+
+        ``routers`` are ``model``'s own: a micro-batch with ``routed_experts`` is replayed through them.
+        """
         batches: Iterator[dict[str, torch.Tensor]] = iter(micro_batches)
 
         def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], module: torch.nn.Module) -> Any:
             batch = next(data_iterator)
-            return stage_forward(module, batch), partial(loss_func, batch)
+            with routing.replaying(routers, batch.get("routed_experts"), batch["lengths"]):
+                output = stage_forward(module, batch)
+            return output, partial(loss_func, batch)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -257,9 +272,27 @@ class MegatronGPTBackend:
     def _object_device(self) -> torch.device | None:
         return torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else None
 
-    def _logprobs(self, model: torch.nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        input_ids, lengths = check_batch(self.config, input_ids, lengths, "")
-        batch = to_device({"input_ids": input_ids, "lengths": lengths}, self.device)
+    def _checked_batch(
+        self, input_ids: Any, lengths: Any, routed_experts: Any, where: str
+    ) -> dict[str, torch.Tensor]:
+        """The batch on this device, with ``routed_experts`` when given; checked (errors name ``where``)."""
+        input_ids, lengths = check_batch(self.config, input_ids, lengths, where)
+        batch = {"input_ids": input_ids, "lengths": lengths}
+        if routed_experts is not None:
+            batch["routed_experts"] = routing.check_routed_experts(
+                self.config, routed_experts, input_ids, lengths, where
+            )
+        return to_device(batch, self.device)
+
+    def _logprobs(
+        self,
+        model: torch.nn.Module,
+        routers: Sequence[routing.LayerRouter],
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        routed_experts: torch.Tensor | None,
+    ) -> torch.Tensor:
+        batch = self._checked_batch(input_ids, lengths, routed_experts, "")
 
         def collect(micro_batch: dict[str, torch.Tensor], output: torch.Tensor, non_loss_data: bool = False) -> Any:
             return logprobs_from_ce(output, micro_batch["lengths"]).detach()
@@ -268,13 +301,15 @@ class MegatronGPTBackend:
         model.eval()
         try:
             with self._device_scope(), torch.no_grad():
-                store = self._run(model, [batch], collect, forward_only=True)
+                store = self._run(model, [batch], collect, forward_only=True, routers=routers)
                 result = store[0].cpu() if self._is_last_stage else None
                 return self._broadcast_from_last_stage(result)
         finally:
             model.train(was_training)
 
-    def logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def logprobs(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, routed_experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Per-token log-probs of the policy: FloatTensor[B, S] on CPU, the same on every rank of a replica.
 
         ``out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` for ``1 <= t < lengths[b]``; 0 elsewhere.
@@ -284,17 +319,72 @@ class MegatronGPTBackend:
         Args:
             input_ids: LongTensor[B, S], tokens in ``[0, vocab_size)``, ``S <= max_sequence_length``.
             lengths: int tensor [B], each in ``[1, S]``.
+            routed_experts: MoE only: int tensor [B, S, num_layers, topk] (as
+                ``Generation.routed_experts``); each real token goes to exactly
+                these experts in every layer (replayed with megatron's
+                ``RouterReplay``); padding positions are ignored. None: the
+                routers choose by score.
 
         Raises:
-            TypeError: ``input_ids`` is not a 2-D LongTensor, or ``lengths`` is not an int tensor.
+            TypeError: ``input_ids`` is not a 2-D LongTensor, ``lengths`` is not an int
+                tensor, or ``routed_experts`` is not an integer tensor.
             ValueError: ``input_ids`` has no rows, a token, the sequence length or a row
-                length is out of range, or ``lengths`` has not one entry per row.
+                length is out of range, ``lengths`` has not one entry per row, or
+                ``routed_experts`` is given to a dense model, has the wrong shape, or a
+                real token's experts are out of range or repeat.
         """
-        return self._logprobs(self._policy, input_ids, lengths)
+        return self._logprobs(self._policy, self._policy_routers, input_ids, lengths, routed_experts)
 
-    def reference_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Per-token log-probs of the frozen reference model, as :meth:`logprobs`."""
-        return self._logprobs(self._reference, input_ids, lengths)
+    def reference_logprobs(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, routed_experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Per-token log-probs of the frozen reference model, as :meth:`logprobs`.
+
+        ``routed_experts`` is replayed into the reference's own routers (it has the
+        policy's architecture), so a KL term compares the two models on the same experts.
+        """
+        return self._logprobs(self._reference, self._reference_routers, input_ids, lengths, routed_experts)
+
+    def routing(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, routed_experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The experts each token was dispatched to in the policy's forward, as :meth:`logprobs` runs it.
+
+        Read off each router's output (its routing map) by a forward hook, so it
+        shows what megatron dispatched, also when ``routed_experts`` is replayed.
+        Collective over the replica; each stage reads its own layers, then the
+        stages exchange them.
+
+        Returns:
+            LongTensor[B, S, num_layers, topk] on CPU, each token's experts in
+            ascending order, -1 at padding positions; the same on every rank of a replica.
+
+        Raises:
+            ValueError: the model is dense; otherwise as :meth:`logprobs`.
+        """
+        if not self.config.is_moe:
+            raise ValueError("'routing' needs an MoE model (num_experts >= 2): got a dense model (num_experts = 0)")
+        batch = self._checked_batch(input_ids, lengths, routed_experts, "")
+        rows = batch["input_ids"].shape[0]
+        seen: dict[int, torch.Tensor] = {}
+        was_training = self._policy.training
+        self._policy.eval()
+        try:
+            with self._device_scope(), torch.no_grad():
+                with routing.observing(self._policy_routers, rows, seen):
+                    self._run(
+                        self._policy, [batch], lambda mb, out, non_loss_data=False: None,
+                        forward_only=True, routers=self._policy_routers,
+                    )
+                stages: list[Any] = [None] * self.pipeline_parallel
+                dist.all_gather_object(stages, seen, group=self._pp_group)
+        finally:
+            self._policy.train(was_training)
+        layers: dict[int, torch.Tensor] = {}
+        for stage in stages:
+            layers.update(stage)
+        routed = torch.stack([layers[layer] for layer in range(self.config.num_layers)], dim=2)
+        return routing.padded(routed, batch["lengths"].cpu())
 
     # -- generation ----------------------------------------------------------------------------------
 
@@ -308,6 +398,7 @@ class MegatronGPTBackend:
         generator: torch.Generator,
         temperature: float = 1.0,
         vocab_limit: int | None = None,
+        precision: str = "fp32",
     ) -> Generation:
         """Sample continuations of right-padded prompts from the policy (no KV cache: one full forward per token).
 
@@ -330,6 +421,9 @@ class MegatronGPTBackend:
             temperature: > 0.
             vocab_limit: sample only ids below it (a tokenizer smaller than
                 the model's padded vocabulary); None: the whole vocabulary.
+            precision: the rollout's forward precision: ``"fp32"`` (the
+                trainer's), or ``"bf16"`` (under ``torch.autocast(bfloat16)``;
+                the weights stay fp32, training is unaffected).
 
         Returns:
             a :class:`Generation`: ``sequences`` LongTensor[B, L] (prompt then
@@ -338,11 +432,15 @@ class MegatronGPTBackend:
             DoubleTensor[B] (per row, the summed entropy of its response
             tokens' sampling distributions, in nats), ``logprobs``
             FloatTensor[B, L] (each response token's log-probability under the
-            distribution it was drawn from, at its position; 0 elsewhere).
+            distribution it was drawn from, at its position; 0 elsewhere),
+            ``routed_experts`` (MoE only, else None) LongTensor[B, L,
+            num_layers, topk]: each token's experts (ascending) in one more
+            forward over the final sequences at ``precision``, -1 at padding.
 
         Raises:
             ValueError: the backend is tensor- or pipeline-parallel (a rollout
-                engine is one rank), a size or the temperature is out of range.
+                engine is one rank), a size or the temperature is out of range,
+                or ``precision`` is not ``"fp32"`` or ``"bf16"``.
             TypeError: as :meth:`logprobs` for the prompts.
         """
         if self.tensor_parallel != 1 or self.pipeline_parallel != 1:
@@ -354,7 +452,8 @@ class MegatronGPTBackend:
             return sample(
                 self._policy.module, self.config, prompt_ids, prompt_lengths, device=self.device,
                 max_new_tokens=max_new_tokens, eos_id=eos_id, generator=generator,
-                temperature=temperature, vocab_limit=vocab_limit,
+                temperature=temperature, vocab_limit=vocab_limit, precision=precision,
+                routers=self._policy_routers,
             )
 
     # -- training ------------------------------------------------------------------------------------
@@ -368,8 +467,10 @@ class MegatronGPTBackend:
 
         Args:
             micro_batches: each with ``input_ids`` (LongTensor[B, S]) and
-                ``lengths`` (int tensor [B]), plus what ``loss_fn`` reads; shapes
-                may differ between micro-batches.
+                ``lengths`` (int tensor [B]), optionally ``routed_experts`` (MoE:
+                replayed in that micro-batch's forward, as :meth:`logprobs`; the
+                backward differentiates that same forward, no recompute), plus
+                what ``loss_fn`` reads; shapes may differ between micro-batches.
             loss_fn: ``loss_fn(logprobs, micro_batch) -> (scalar loss, metrics)``,
                 called on the last pipeline stage with differentiable log-probs
                 (as :meth:`logprobs`); metric values are scalars.
@@ -384,8 +485,16 @@ class MegatronGPTBackend:
             TypeError: ``micro_batches`` is not a non-empty sequence of mappings,
                 or ``loss_fn`` returns something other than (scalar tensor, mapping).
             ValueError: a micro-batch lacks ``input_ids`` or ``lengths`` or has
-                out-of-range values (as :meth:`logprobs`).
+                out-of-range values or a bad ``routed_experts`` (as :meth:`logprobs`),
+                or the model is MoE and tensor-parallel (megatron needs sequence
+                parallelism to train MoE under TP; log-probs, routing and replay
+                work under TP).
         """
+        if self.config.is_moe and self.tensor_parallel > 1:
+            raise ValueError(
+                "'train_step' of an MoE model needs tensor_parallel = 1 (megatron trains MoE under TP only with "
+                f"sequence parallelism, which this backend does not set up): got {self.tensor_parallel}"
+            )
         if isinstance(micro_batches, Mapping) or not isinstance(micro_batches, Sequence) or not micro_batches:
             raise TypeError(
                 f"'micro_batches' must be a non-empty list of dicts: got {type(micro_batches).__name__}"
@@ -397,10 +506,11 @@ class MegatronGPTBackend:
             if not isinstance(micro_batch, Mapping) or "input_ids" not in micro_batch or "lengths" not in micro_batch:
                 got = sorted(micro_batch) if isinstance(micro_batch, Mapping) else type(micro_batch).__name__
                 raise ValueError(f"'micro_batches[{i}]' must map 'input_ids' and 'lengths' to tensors: got {got}")
-            input_ids, lengths = check_batch(
-                self.config, micro_batch["input_ids"], micro_batch["lengths"], f"micro_batches[{i}]."
+            checked = self._checked_batch(
+                micro_batch["input_ids"], micro_batch["lengths"], micro_batch.get("routed_experts"),
+                f"micro_batches[{i}].",
             )
-            batches.append(to_device({**micro_batch, "input_ids": input_ids, "lengths": lengths}, self.device))
+            batches.append({**to_device(micro_batch, self.device), **checked})
 
         def loss_func(micro_batch: dict[str, torch.Tensor], output: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
             logprobs = logprobs_from_ce(output, micro_batch["lengths"])
@@ -419,7 +529,7 @@ class MegatronGPTBackend:
             self._policy.train()
             self._policy.zero_grad_buffer()
             self._optimizer.zero_grad()
-            store = self._run(self._policy, batches, loss_func, forward_only=False)
+            store = self._run(self._policy, batches, loss_func, forward_only=False, routers=self._policy_routers)
             metrics = self._broadcast_from_last_stage(list(store) if self._is_last_stage else None)
             self._optimizer.prepare_grads()
             grad_norm = float(self._optimizer.get_grad_norm())

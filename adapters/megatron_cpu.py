@@ -24,6 +24,18 @@ CPU-only torch raises on each of those. The shim makes them run on CPU:
    (``model_parallel_cuda_manual_seed`` would). Dropout is off in the backend and
    weights are drawn on CPU, so nothing draws from the tracker; the CPU generator,
    seeded the same on every rank by the backend, is the only randomness.
+5. CUDA streams are one CPU stand-in (:class:`CpuStream`): ``torch.cuda.Stream()``
+   and ``torch.cuda.current_stream()`` both return it, ``torch.cuda.stream(s)``
+   enters nothing, and its ``wait_stream`` / ``record_event`` / event
+   ``synchronize`` are no-ops. CPU work runs in program order, so there is
+   nothing to order. This lets megatron's ``alltoall`` MoE token dispatcher run
+   (it builds a device-to-host stream when built and switches to it in each
+   forward); since the current stream *is* that stream, the dispatcher never
+   takes its side-stream branch (``Tensor.record_stream``).
+6. ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is ``None`` when
+   Transformer Engine is absent: the router's gating reads that name, which
+   megatron only defines when Transformer Engine imports, and ``None`` selects
+   its plain ``torch.mm`` path.
 
 Gradient clipping stays off (``clip_grad=0.0``): the backend computes the grad
 norm itself with megatron's ``get_grad_norm``, which runs under the remap.
@@ -46,9 +58,10 @@ from typing import Any
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.transformer.moe import moe_utils
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CudaToCpu", "apply_cpu_shim", "cpu_device_remap", "cpu_shim_applied"]
+__all__ = ["CpuStream", "CudaToCpu", "apply_cpu_shim", "cpu_device_remap", "cpu_shim_applied"]
 
 _CPU = torch.device("cpu")
 
@@ -61,6 +74,54 @@ def _cpu_current_device() -> int:
 def _cpu_synchronize(device: Any = None) -> None:
     """Patch 3: nothing to wait for on CPU."""
     return None
+
+
+class _CpuEvent:
+    """Patch 5: an event recorded on :class:`CpuStream`; it has always happened."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class CpuStream:
+    """Patch 5: the one stream of a CPU process; ordering calls are no-ops (CPU work runs in program order)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_STREAM = CpuStream()
+
+
+def _cpu_stream(*args: Any, **kwargs: Any) -> CpuStream:
+    """Patch 5: ``torch.cuda.Stream()`` and ``torch.cuda.current_stream()``: the one CPU stream."""
+    return _STREAM
+
+
+def _cpu_stream_context(stream: Any = None) -> AbstractContextManager[None]:
+    """Patch 5: ``torch.cuda.stream(s)``: nothing to switch to."""
+    return contextlib.nullcontext()
 
 
 def _remap(device: Any, *, int_is_cuda: bool) -> Any:
@@ -131,7 +192,7 @@ def cpu_shim_applied() -> bool:
 
 
 def apply_cpu_shim() -> None:
-    """Patch torch and megatron-core so megatron's training path runs on CPU (patches 1 to 4 above).
+    """Patch torch and megatron-core so megatron's training path runs on CPU (patches 1 to 6 above).
 
     Idempotent: a second call returns without changing anything. Call it in a CPU
     worker process before building a megatron model; never on a GPU worker.
@@ -145,6 +206,11 @@ def apply_cpu_shim() -> None:
         return
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = _cpu_synchronize
+    torch.cuda.Stream = _cpu_stream  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = _cpu_stream  # type: ignore[assignment]
+    torch.cuda.stream = _cpu_stream_context  # type: ignore[assignment]
+    if not moe_utils.HAVE_TE:
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     # Pushed for the rest of this thread on purpose: megatron allocates on CUDA from
     # many call sites, and a CPU worker has no CUDA work that the remap could hide.

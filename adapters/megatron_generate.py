@@ -5,6 +5,19 @@ and draws each row's next token from ``softmax(logits / temperature)``
 (masked to ``vocab_limit``) with the caller's generator, until every row has
 drawn ``eos_id`` or ``max_new_tokens`` tokens.
 
+Rollout precision: ``"fp32"`` runs the model as it is; ``"bf16"`` runs every
+forward under ``torch.autocast(bfloat16)`` (matmuls, the routers' gating
+included, in bf16 on bf16 copies of the fp32 weights; the weights themselves
+are not touched), as a bf16 rollout engine would next to an fp32 trainer.
+
+MoE routing: with routers given, one more forward over the final sequences
+(same precision) records every token's experts (RECORD, see
+:mod:`adapters.megatron_routing`). Without a KV cache each forward recomputes
+every earlier token, and attention is causal, so this last forward gives each
+token the routing a fresh forward of the whole sequence gives it (up to
+floating-point differences between forward shapes); it is also the only
+forward that sees each row's last drawn token.
+
 Invariants: the same weights, prompts and generator state give the same
 tokens; causal attention makes the padding to the right of a row invisible to
 it, so rows of different lengths share each forward; the entropy of each
@@ -16,17 +29,37 @@ mode is restored on return, also when sampling raises.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
+from adapters import megatron_routing as routing
 from adapters.megatron_batch import check_batch
 from adapters.megatron_setup import int_arg
 from adapters.model_port import Generation
 from core.entropy import categorical_entropy
 from core.model_config import TinyGPTConfig
 
-__all__ = ["sample"]
+__all__ = ["PRECISIONS", "precision_scope", "sample"]
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def precision_scope(precision: str, device: torch.device) -> AbstractContextManager[Any]:
+    """Where a rollout forward runs: as is (``"fp32"``) or under bf16 autocast on ``device`` (``"bf16"``).
+
+    Raises:
+        ValueError: ``precision`` is not one of :data:`PRECISIONS`.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"'precision' must be one of {list(PRECISIONS)}: got {precision!r}")
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def sample(
@@ -41,12 +74,17 @@ def sample(
     temperature: float,
     vocab_limit: int | None,
     device: torch.device,
+    precision: str = "fp32",
+    routers: Sequence[routing.LayerRouter] = (),
 ) -> Generation:
     """Sample continuations of ``prompt_ids`` from ``model``, a whole GPT (one pipeline stage, no TP) on ``device``.
 
     Args, Returns and Raises as ``MegatronGPTBackend.generate``, which checks
-    the layout and calls this under its device scope.
+    the layout and calls this under its device scope. ``routers``: the model's
+    MoE routers (:func:`adapters.megatron_routing.layer_routers`); empty for a
+    dense model, whose generation has no ``routed_experts``.
     """
+    scope = precision_scope(precision, device)
     max_new_tokens = int_arg("max_new_tokens", max_new_tokens)
     if max_new_tokens < 1:
         raise ValueError(f"'max_new_tokens' must be >= 1: got {max_new_tokens}")
@@ -69,10 +107,11 @@ def sample(
     entropy = torch.zeros(rows, dtype=torch.float64)
     logprobs = torch.zeros(rows, width, dtype=torch.float32)
     index = torch.arange(rows)
+    routed: torch.Tensor | None = None
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), scope:
             for _ in range(max_new_tokens):
                 span = int(lengths.max())
                 tokens = sequences[:, :span].to(device)
@@ -92,7 +131,14 @@ def sample(
                 done = done | (live & (drawn == eos_id))
                 if bool(done.all()):
                     break
+            span = int(lengths.max())
+            if routers:
+                recorded: dict[int, torch.Tensor] = {}
+                tokens = sequences[:, :span].to(device)
+                positions = torch.arange(span, device=device).expand_as(tokens)
+                with routing.recording(routers, rows, recorded):
+                    model(tokens, positions, None)
+                routed = routing.padded(torch.stack([recorded[layer] for layer, _ in routers], dim=2), lengths)
     finally:
         model.train(was_training)
-    span = int(lengths.max())
-    return Generation(sequences[:, :span], lengths, entropy, logprobs[:, :span])
+    return Generation(sequences[:, :span], lengths, entropy, logprobs[:, :span], routed)

@@ -6,6 +6,19 @@ default ``torch.distributed`` group, and :func:`build_gpt` builds one rank's
 :func:`transformer_config`. :func:`int_arg` and :func:`check_divides` are the
 argument checks the layout's sizes go through.
 
+MoE (``config.is_moe``): every layer's MLP is megatron's ``MoELayer`` (local
+spec, one ``SequentialMLP`` of per-expert MLPs, no grouped GEMM) with
+``moe_topk`` experts per token, megatron's softmax top-k router, no aux loss,
+no capacity (no token is dropped), expert parallel 1 (experts are split over
+TP like a dense MLP), and ``moe_enable_routing_replay`` on, so each router owns
+a ``RouterReplay`` (:mod:`adapters.megatron_routing` drives it). Linear layers
+have no bias (``add_bias_linear=False``): megatron's expert MLP adds its bias
+in place on an autograd view, which autograd rejects. The token dispatcher is
+``alltoall`` for dense and MoE alike: it is the one megatron allows with
+``variable_seq_lengths`` (which pipeline stages need to exchange each
+micro-batch's shape); on CPU its CUDA streams are the shim's stand-ins
+(:mod:`adapters.megatron_cpu`, patch 5). A dense model's config is as before.
+
 Rank layout: ``rank = ((pp * DP + dp) * CP + cp) * TP + tp`` (tensor parallel
 fastest, as :mod:`core.topology`). megatron's default order ``"tp-cp-ep-dp-pp"``
 lists axes fastest first and gives exactly this mapping (expert parallel is 1),
@@ -83,6 +96,16 @@ def parallel_coords() -> dict[str, int]:
 
 def transformer_config(config: TinyGPTConfig, tp: int, pp: int) -> TransformerConfig:
     """megatron's config for one model; the policy's also carries its DDP hooks, so each model gets its own."""
+    moe: dict[str, Any] = {}
+    if config.is_moe:
+        moe = {
+            "num_moe_experts": config.num_experts,
+            "moe_router_topk": config.moe_topk,
+            "moe_grouped_gemm": False,
+            "moe_aux_loss_coeff": 0.0,
+            "moe_enable_routing_replay": True,
+            "add_bias_linear": False,
+        }
     return TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
@@ -98,8 +121,9 @@ def transformer_config(config: TinyGPTConfig, tp: int, pp: int) -> TransformerCo
         use_cpu_initialization=True,
         # Micro-batches may differ in shape: pipeline stages exchange each one's shape first.
         variable_seq_lengths=True,
-        # Unused (no MoE); megatron rejects its default "allgather" with variable lengths.
+        # megatron rejects its default "allgather" with variable lengths (unused by a dense model).
         moe_token_dispatcher_type="alltoall",
+        **moe,
     )
 
 
@@ -107,7 +131,9 @@ def build_gpt(config: TinyGPTConfig, tp: int, pp: int, device: torch.device) -> 
     """This rank's stage of a fresh GPT (its own :func:`transformer_config`), on ``device``."""
     model = GPTModel(
         config=transformer_config(config, tp, pp),
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=config.num_experts if config.is_moe else None, moe_grouped_gemm=False
+        ),
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_sequence_length,
         pre_process=parallel_state.is_pipeline_first_stage(),

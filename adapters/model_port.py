@@ -22,7 +22,8 @@ import attrs
 import torch
 
 MicroBatch = Mapping[str, torch.Tensor]
-"""One micro-batch: ``input_ids`` (LongTensor[B, S]), ``lengths`` (LongTensor[B]), plus any fields ``loss_fn`` reads."""
+"""One micro-batch: ``input_ids`` (LongTensor[B, S]), ``lengths`` (LongTensor[B]), optionally ``routed_experts``
+(int tensor [B, S, num_layers, topk], an MoE routing to replay), plus any fields ``loss_fn`` reads."""
 Metrics = dict[str, float]
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Mapping[str, Any]]]
 """``loss_fn(logprobs FloatTensor[B, S], micro_batch) -> (scalar loss, metrics)``; metrics are scalars."""
@@ -44,12 +45,17 @@ class Generation:
             under the distribution it was drawn from (temperature applied, masked to ``vocab_limit``),
             at the token's position (aligned with :meth:`PolicyBackend.logprobs`); 0 at prompt and
             padding positions.
+        routed_experts: for an MoE policy, LongTensor[B, L, num_layers, topk]: the experts each token was
+            routed to (ascending ids) in one forward over the final sequences at the rollout precision, -1 at
+            padding positions; what :meth:`PolicyBackend.logprobs` and ``train_step`` replay. None for a
+            dense policy.
     """
 
     sequences: torch.Tensor
     lengths: torch.Tensor
     entropy: torch.Tensor
     logprobs: torch.Tensor
+    routed_experts: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -60,18 +66,33 @@ class PolicyBackend(Protocol):
         """This rank's coordinate on each axis of :data:`core.topology.AXES`."""
         ...
 
-    def logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def logprobs(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, routed_experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Per-token log-probs FloatTensor[B, S] of the policy: ``out[b, t] = log p(x_t | x_<t)`` for
-        ``1 <= t < lengths[b]``, 0 elsewhere; ``input_ids`` LongTensor[B, S], ``lengths`` LongTensor[B]."""
+        ``1 <= t < lengths[b]``, 0 elsewhere; ``input_ids`` LongTensor[B, S], ``lengths`` LongTensor[B].
+        ``routed_experts`` (MoE only, as :attr:`Generation.routed_experts`): every real token is routed to
+        exactly these experts (R3 router replay) instead of by the router's scores."""
         ...
 
-    def reference_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Per-token log-probs of the frozen reference model, as :meth:`logprobs`."""
+    def reference_logprobs(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, routed_experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Per-token log-probs of the frozen reference model, as :meth:`logprobs` (replaying into the reference)."""
+        ...
+
+    def routing(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, routed_experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The experts each token of the policy's forward (as :meth:`logprobs`) was dispatched to: LongTensor
+        [B, S, num_layers, topk], ascending ids, -1 at padding; read off the routers' outputs, so with
+        ``routed_experts`` given it shows what the replay made the trainer do. MoE only."""
         ...
 
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> TrainStepResult:
         """Accumulate the mean loss's gradient over ``micro_batches`` (averaged over data-parallel ranks),
-        then one optimizer step; ``{"loss", "grad_norm", "metrics"}``."""
+        then one optimizer step; ``{"loss", "grad_norm", "metrics"}``. A micro-batch's ``routed_experts``
+        is replayed in its forward (and so in its backward) as in :meth:`logprobs`."""
         ...
 
     def state_dict(self) -> StateDict:
@@ -85,6 +106,9 @@ class PolicyBackend(Protocol):
     def generate(
         self, prompt_ids: torch.Tensor, prompt_lengths: torch.Tensor, *, max_new_tokens: int, eos_id: int,
         generator: torch.Generator, temperature: float = 1.0, vocab_limit: int | None = None,
+        precision: str = "fp32",
     ) -> Generation:
-        """Sample continuations of right-padded prompts: the sequences, their lengths and per-row sampling entropy."""
+        """Sample continuations of right-padded prompts: the sequences, their lengths, per-row sampling entropy,
+        and for an MoE policy each token's routing; ``precision`` ``"fp32"`` or ``"bf16"`` (the rollout's
+        forward precision; training stays fp32)."""
         ...

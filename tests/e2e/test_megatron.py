@@ -8,6 +8,10 @@ the tests assert on the results. The single-rank world is the reference: TP=2
 must match it to float tolerance, PP=2 bitwise, and DP=2 x PP=2 (each replica
 on its own micro-batch) must reach the single rank's state after one step on
 both.
+
+The MoE worlds (``MOE_CONFIG``) check routing record and replay: one rank
+against itself (token order, replay, padding, bf16 rollouts), and TP=2 and
+PP=2 against the single MoE rank.
 """
 
 from __future__ import annotations
@@ -50,6 +54,25 @@ Results = dict[str, Any]
 GEN_PROMPT_LENGTHS = torch.tensor([4, 2, 3, 4])
 GEN_PROMPTS = torch.where(torch.arange(4)[None, :] < GEN_PROMPT_LENGTHS[:, None], INPUT_IDS[:, :4], 0)
 GEN_NEW_TOKENS, GEN_EOS, GEN_VOCAB_LIMIT = 6, 3, 5
+MOE_CONFIG = TinyGPTConfig(
+    vocab_size=32, hidden_size=64, num_layers=2, num_attention_heads=4, max_sequence_length=64, num_experts=4, moe_topk=2
+)
+MOE_STEPS = 2
+
+
+def _random_routing(rows: int, seq: int, lengths: torch.Tensor, seed: int) -> torch.Tensor:
+    """A routing unrelated to any model: ``moe_topk`` distinct random experts per real token and layer, -1 at padding."""
+    scores = torch.rand(rows, seq, MOE_CONFIG.num_layers, MOE_CONFIG.num_experts, generator=torch.Generator().manual_seed(seed))
+    routed = scores.argsort(dim=-1)[..., : MOE_CONFIG.moe_topk].sort(dim=-1).values
+    real = torch.arange(seq)[None, :] < lengths[:, None]
+    return torch.where(real[:, :, None, None], routed, -1)
+
+
+MOE_REPLAYED = _random_routing(*INPUT_IDS.shape, LENGTHS, seed=5)
+MOE_MICRO_BATCHES: list[dict[str, torch.Tensor]] = [
+    {**MICRO_BATCHES[0], "routed_experts": MOE_REPLAYED[:2]},
+    {**MICRO_BATCHES[1], "routed_experts": MOE_REPLAYED[2:, :10]},
+]
 
 
 def _loss_fn(logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -209,6 +232,96 @@ def _model_parallel(rank: int, inputs: Results) -> Results:
     return out
 
 
+def _moe_backend(tensor_parallel: int = 1, pipeline_parallel: int = 1) -> MegatronGPTBackend:
+    return MegatronGPTBackend(MOE_CONFIG, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, seed=SEED)
+
+
+def _moe_single_rank(rank: int, inputs: Results) -> Results:
+    backend = _moe_backend()
+    out: Results = {"initial_state": backend.state_dict()}
+    gen = backend.generate(
+        GEN_PROMPTS, GEN_PROMPT_LENGTHS, max_new_tokens=GEN_NEW_TOKENS, eos_id=GEN_EOS,
+        generator=torch.Generator().manual_seed(7),
+    )
+    out["generated"] = gen
+    out["fresh_routing"] = backend.routing(gen.sequences, gen.lengths)
+    out["row_alone_routing"] = [
+        backend.routing(gen.sequences[row : row + 1, : int(gen.lengths[row])], gen.lengths[row : row + 1])[0]
+        for row in range(len(gen.lengths))
+    ]
+    out["logprobs"] = backend.logprobs(gen.sequences, gen.lengths)
+    out["replayed_logprobs"] = backend.logprobs(gen.sequences, gen.lengths, gen.routed_experts)
+    other = _random_routing(*gen.sequences.shape, gen.lengths, seed=3)
+    out["other_routing"] = other
+    out["other_observed"] = backend.routing(gen.sequences, gen.lengths, other)
+    out["other_logprobs"] = backend.logprobs(gen.sequences, gen.lengths, other)
+    junk = other.clone()
+    junk[junk < 0] = 3  # padding holding a repeated, arbitrary expert
+    out["junk_padding_logprobs"] = backend.logprobs(gen.sequences, gen.lengths, junk)
+    out["reference_other_logprobs"] = backend.reference_logprobs(gen.sequences, gen.lengths, other)
+
+    # Fixed batch, replayed: the MP worlds are checked against these.
+    out["batch_routing"] = backend.routing(INPUT_IDS, LENGTHS)
+    out["batch_replayed_observed"] = backend.routing(INPUT_IDS, LENGTHS, MOE_REPLAYED)
+    out["batch_replayed_logprobs"] = backend.logprobs(INPUT_IDS, LENGTHS, MOE_REPLAYED)
+    expected_loss = _loss_fn(out["batch_replayed_logprobs"][:2], MOE_MICRO_BATCHES[0])[0]
+    out["first_micro_batch_loss_from_logprobs"] = float(expected_loss)
+    out["steps"] = [backend.train_step(MOE_MICRO_BATCHES, _loss_fn) for _ in range(MOE_STEPS)]
+    out["trained_state"] = backend.state_dict()
+    out["reference_after"] = backend.reference_logprobs(gen.sequences, gen.lengths, other)
+
+    # bf16 rollouts of a larger batch: how often the fp32 trainer routes a token elsewhere.
+    prompts = torch.randint(0, MOE_CONFIG.vocab_size, (16, 8), generator=torch.Generator().manual_seed(2))
+    bf16 = backend.generate(
+        prompts, torch.full((16,), 8), max_new_tokens=16, eos_id=GEN_EOS,
+        generator=torch.Generator().manual_seed(9), precision="bf16",
+    )
+    out["bf16_generated"] = bf16
+    out["bf16_trainer_routing"] = backend.routing(bf16.sequences, bf16.lengths)
+    out["bf16_replayed_routing"] = backend.routing(bf16.sequences, bf16.lengths, bf16.routed_experts)
+
+    dense = _backend()
+    bad_range = other.clone()
+    bad_range[0, 0, 0, 0] = MOE_CONFIG.num_experts
+    repeated = other.clone()
+    repeated[0, 0, 0, :] = 1
+    out["errors"] = {
+        "dense_routing": _capture(lambda: dense.routing(INPUT_IDS, LENGTHS)),
+        "dense_replay": _capture(lambda: dense.logprobs(INPUT_IDS, LENGTHS, MOE_REPLAYED)),
+        "wrong_shape": _capture(lambda: backend.logprobs(INPUT_IDS, LENGTHS, MOE_REPLAYED[:, :5])),
+        "float_routing": _capture(lambda: backend.logprobs(INPUT_IDS, LENGTHS, MOE_REPLAYED.float())),
+        "out_of_range": _capture(lambda: backend.logprobs(gen.sequences, gen.lengths, bad_range)),
+        "repeated_expert": _capture(lambda: backend.logprobs(gen.sequences, gen.lengths, repeated)),
+        "bad_micro_batch_routing": _capture(
+            lambda: backend.train_step([{**MICRO_BATCHES[0], "routed_experts": MOE_REPLAYED}], _loss_fn)
+        ),
+        "bad_precision": _capture(
+            lambda: backend.generate(GEN_PROMPTS, GEN_PROMPT_LENGTHS, max_new_tokens=2, eos_id=GEN_EOS,
+                                     generator=torch.Generator(), precision="fp16")
+        ),
+    }
+    out["dense_generation_routing"] = dense.generate(
+        GEN_PROMPTS, GEN_PROMPT_LENGTHS, max_new_tokens=2, eos_id=GEN_EOS, generator=torch.Generator()
+    ).routed_experts
+    return out
+
+
+def _moe_model_parallel(rank: int, inputs: Results) -> Results:
+    backend = _moe_backend(tensor_parallel=inputs["tensor_parallel"], pipeline_parallel=inputs["pipeline_parallel"])
+    out: Results = {
+        "initial_state": backend.state_dict(),
+        "batch_routing": backend.routing(INPUT_IDS, LENGTHS),
+        "batch_replayed_observed": backend.routing(INPUT_IDS, LENGTHS, MOE_REPLAYED),
+        "batch_replayed_logprobs": backend.logprobs(INPUT_IDS, LENGTHS, MOE_REPLAYED),
+    }
+    if inputs["tensor_parallel"] > 1:
+        out["train_error"] = _capture(lambda: backend.train_step(MOE_MICRO_BATCHES, _loss_fn))
+        return out
+    out["steps"] = [backend.train_step(MOE_MICRO_BATCHES, _loss_fn) for _ in range(MOE_STEPS)]
+    out["trained_state"] = backend.state_dict()
+    return out
+
+
 def _data_parallel(rank: int, inputs: Results) -> Results:
     backend = _backend(pipeline_parallel=inputs["pipeline_parallel"])
     coords = backend.parallel_coords()
@@ -220,6 +333,8 @@ SCENARIOS: dict[str, Callable[[int, Results], Results]] = {
     "single_rank": _single_rank,
     "model_parallel": _model_parallel,
     "data_parallel": _data_parallel,
+    "moe_single_rank": _moe_single_rank,
+    "moe_model_parallel": _moe_model_parallel,
 }
 
 
@@ -318,6 +433,24 @@ def pipeline_parallel(world_dir: Path, single: Results) -> list[Results]:
 def data_parallel(world_dir: Path) -> list[Results]:
     """Results of the DP=2 x PP=2 world: replica d takes one step on micro-batch d alone."""
     return _run_world(4, "data_parallel", world_dir, {"pipeline_parallel": 2})
+
+
+@pytest.fixture(scope="module")
+def moe_single(world_dir: Path) -> Results:
+    """The single-rank MoE world's results."""
+    return _run_world(1, "moe_single_rank", world_dir)[0]
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def moe_model_parallel(request: pytest.FixtureRequest, world_dir: Path) -> list[Results]:
+    """Results of the MoE TP=2 and PP=2 worlds, by rank."""
+    tp, pp = request.param
+    return _run_world(2, "moe_model_parallel", world_dir, {"tensor_parallel": tp, "pipeline_parallel": pp})
+
+
+def _real(lengths: torch.Tensor, seq: int) -> torch.Tensor:
+    """BoolTensor[B, S]: the positions before each row's length."""
+    return torch.arange(seq)[None, :] < lengths[:, None]
 
 
 def _states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -636,3 +769,117 @@ def test_generate_records_each_drawn_tokens_behaviour_logprob(single: Results) -
     assert torch.all(generated.logprobs[~response] == 0)
     assert torch.all(generated.logprobs[response] < 0)
     torch.testing.assert_close(generated.logprobs[response], single["generated_rescored"][response], atol=1e-5, rtol=1e-5)
+
+
+# -- MoE: routing record and replay ----------------------------------------------------------------------
+
+
+def test_moe_model_has_per_layer_router_and_experts_drawn_by_name(moe_single: Results) -> None:
+    """An MoE model has one router and num_experts expert MLPs per layer, no linear biases, each expert drawn apart."""
+    state = moe_single["initial_state"]
+    for layer in range(MOE_CONFIG.num_layers):
+        prefix = f"decoder.layers.{layer}.mlp."
+        assert state[prefix + "router.weight"].shape == (MOE_CONFIG.num_experts, MOE_CONFIG.hidden_size)
+        experts = [state[f"{prefix}experts.local_experts.{e}.linear_fc1.weight"] for e in range(MOE_CONFIG.num_experts)]
+        assert all(not torch.equal(experts[0], other) for other in experts[1:])
+    assert not any(name.endswith("linear_qkv.bias") or ".linear_fc1.bias" in name for name in state)
+
+
+def test_generate_records_moe_routing_aligned_with_tokens_and_padded(moe_single: Results) -> None:
+    """routed_experts is [B, L, layers, topk] int64: distinct experts in range (ascending) at real tokens, -1 past each length."""
+    gen = moe_single["generated"]
+    routed = gen.routed_experts
+    rows, seq = gen.sequences.shape
+    assert routed.shape == (rows, seq, MOE_CONFIG.num_layers, MOE_CONFIG.moe_topk) and routed.dtype == torch.int64
+    real = _real(gen.lengths, seq)
+    assert bool((routed[~real] == -1).all())
+    experts = routed[real]
+    assert bool(((experts >= 0) & (experts < MOE_CONFIG.num_experts)).all())
+    assert bool((experts[..., 1:] > experts[..., :-1]).all())
+    assert moe_single["dense_generation_routing"] is None
+
+
+def test_generate_routing_equals_a_fresh_forward_and_each_row_alone(moe_single: Results) -> None:
+    """The recorded routing is a fresh fp32 forward's, and a row's routing is its own alone (token order t * B + b)."""
+    gen = moe_single["generated"]
+    assert torch.equal(moe_single["fresh_routing"], gen.routed_experts)
+    for row, alone in enumerate(moe_single["row_alone_routing"]):
+        assert torch.equal(alone, gen.routed_experts[row, : int(gen.lengths[row])]), row
+
+
+def test_logprobs_replaying_the_recorded_routing_are_bitwise_unchanged(moe_single: Results) -> None:
+    """Replaying the routing the same fp32 weights chose gives bitwise the log-probs of routing by score."""
+    assert torch.equal(moe_single["replayed_logprobs"], moe_single["logprobs"])
+
+
+def test_replay_routes_every_real_token_as_given_and_ignores_padding(moe_single: Results) -> None:
+    """Under a replayed unrelated routing the trainer dispatches 100% of real tokens as given; padding ids change nothing."""
+    gen = moe_single["generated"]
+    other = moe_single["other_routing"]
+    assert torch.equal(moe_single["other_observed"], other)
+    assert not torch.equal(moe_single["other_logprobs"], moe_single["logprobs"])
+    assert torch.equal(moe_single["junk_padding_logprobs"], moe_single["other_logprobs"])
+    assert int(_real(gen.lengths, gen.sequences.shape[1]).sum()) > 0
+
+
+def test_reference_logprobs_replay_into_the_reference_models_own_routers(moe_single: Results) -> None:
+    """The frozen reference replays like the initial policy, and stays so after the policy trains on replayed batches."""
+    assert torch.equal(moe_single["reference_other_logprobs"], moe_single["other_logprobs"])
+    assert torch.equal(moe_single["reference_after"], moe_single["other_logprobs"])
+
+
+def test_train_step_replays_each_micro_batchs_routing(moe_single: Results) -> None:
+    """The first step's loss on a replayed micro-batch is the loss of the replayed log-probs; training lowers it."""
+    steps = moe_single["steps"]
+    first = steps[0]["metrics"][0]["loss"]
+    assert first == pytest.approx(moe_single["first_micro_batch_loss_from_logprobs"], rel=1e-6)
+    assert steps[1]["loss"] < steps[0]["loss"]
+    assert all(math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0 for step in steps)
+
+
+def test_bf16_rollout_routing_disagrees_with_the_trainer_until_replayed(moe_single: Results) -> None:
+    """A bf16 rollout routes some tokens differently from the fp32 trainer; replay makes them agree on every real token."""
+    gen = moe_single["bf16_generated"]
+    real = _real(gen.lengths, gen.sequences.shape[1])
+    recorded = gen.routed_experts[real]
+    disagree = (moe_single["bf16_trainer_routing"][real] != recorded).any(dim=-1).float().mean()
+    assert 0.0 < float(disagree) < 0.1, float(disagree)
+    assert torch.equal(moe_single["bf16_replayed_routing"][real], recorded)
+
+
+def test_moe_routing_rejects_dense_models_and_malformed_routings(moe_single: Results) -> None:
+    """A dense model has no routing; a routing of the wrong shape, dtype, range or with a repeat is refused."""
+    errors = moe_single["errors"]
+    for name, kind, pattern in (
+        ("dense_routing", ValueError, r"'routing' needs an MoE model"),
+        ("dense_replay", ValueError, r"'routed_experts' needs an MoE model"),
+        ("wrong_shape", ValueError, r"'routed_experts' must have shape \(4, 12, 2, 2\) .*: got \(4, 5, 2, 2\)"),
+        ("float_routing", TypeError, r"'routed_experts' must be an integer tensor .*: got torch.float32"),
+        ("out_of_range", ValueError, r"must hold experts in \[0, 4\) at real positions: got values in \[0, 4\]"),
+        ("repeated_expert", ValueError, r"must name 2 distinct experts per real token and layer"),
+        ("bad_micro_batch_routing", ValueError, r"'micro_batches\[0\]\.routed_experts' must have shape \(2, 12, 2, 2\)"),
+        ("bad_precision", ValueError, r"'precision' must be one of \['fp32', 'bf16'\]: got 'fp16'"),
+    ):
+        with pytest.raises(kind, match=pattern):
+            _reraise(errors[name])
+
+
+def test_moe_model_parallel_replays_and_trains_like_the_single_rank(
+    moe_single: Results, moe_model_parallel: list[Results]
+) -> None:
+    """TP=2 and PP=2 MoE start from the single rank's weights, route as it does, replay every real token exactly
+    and track its replayed log-probs; PP=2 also trains as it does, TP=2 refuses to train (no sequence parallel)."""
+    real = _real(LENGTHS, INPUT_IDS.shape[1])
+    for rank in moe_model_parallel:
+        assert _states_equal(rank["initial_state"], moe_single["initial_state"])
+        assert torch.equal(rank["batch_routing"], moe_single["batch_routing"])
+        assert torch.equal(rank["batch_replayed_observed"][real], MOE_REPLAYED[real])
+        assert bool((rank["batch_replayed_observed"][~real] == -1).all())
+        assert torch.allclose(rank["batch_replayed_logprobs"], moe_single["batch_replayed_logprobs"], rtol=0.0, atol=1e-5)
+        if "train_error" in rank:
+            with pytest.raises(ValueError, match=r"'train_step' of an MoE model needs tensor_parallel = 1 .*: got 2"):
+                _reraise(rank["train_error"])
+            continue
+        assert _losses(rank["steps"]) == pytest.approx(_losses(moe_single["steps"]), rel=1e-5)
+        assert _grad_norms(rank["steps"]) == pytest.approx(_grad_norms(moe_single["steps"]), rel=1e-4)
+        assert _states_close(rank["trained_state"], moe_single["trained_state"], atol=1e-4)

@@ -1,0 +1,197 @@
+"""Routing of an MoE megatron GPT: read each token's experts, and replay given ones through megatron's ``RouterReplay``.
+
+A routing is a LongTensor ``[B, S, num_layers, topk]`` aligned with a batch's
+token ids: ``routed[b, t, l]`` holds the ``topk`` experts that layer ``l``
+(global index) sent token ``t`` of row ``b`` to, in ascending id order (the
+order within a token's choice changes nothing: megatron scatters each expert's
+probability to its id), and ``-1`` at padding positions (``t >=
+lengths[b]``).
+
+Each MoE layer's router owns a ``RouterReplay`` (``moe_enable_routing_replay``).
+:func:`layer_routers` collects them from one model's own modules: several
+models live in one process (the policy and its reference), and megatron's
+global list ``RouterReplay.global_router_replay_instances`` holds all of
+their routers, so it never addresses the right model's layers alone.
+
+Token order, checked by the tests against a forward of each row alone:
+megatron's hidden states are ``[S, B, H]`` and a router flattens them to
+``[S * B, H]``, so token ``(b, t)`` is row ``t * B + b`` of a router's indices
+(sequence-major). :func:`to_router_order` and :func:`from_router_order` map
+between the two.
+
+Invariants: replaying a routing makes every real token go to exactly its
+given experts, in every layer of this pipeline stage; padding positions are
+replayed as experts ``0 .. topk - 1`` whatever the routing holds there, and,
+attention being causal and no token being dropped (no expert capacity), never
+change a real token's routing or output; the routers are left with no action
+and no indices after each forward (:func:`replaying`, :func:`recording`,
+:func:`observing`), so a later forward routes by its own scores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+from core.model_config import TinyGPTConfig
+
+__all__ = [
+    "PAD_EXPERT", "LayerRouter", "check_routed_experts", "from_router_order", "layer_routers", "observing",
+    "padded", "recording", "replaying", "to_router_order",
+]
+
+PAD_EXPERT = -1
+"""The expert id a routing holds at padding positions."""
+
+LayerRouter = tuple[int, torch.nn.Module]
+"""(global layer index, the layer's megatron router module, whose ``router_replay`` is its ``RouterReplay``)."""
+
+
+def layer_routers(model: torch.nn.Module) -> list[LayerRouter]:
+    """This stage's MoE routers of ``model`` (a ``GPTModel`` or a wrapper with ``.module``), in layer order.
+
+    Empty for a dense model.
+    """
+    gpt = model
+    while not hasattr(gpt, "decoder") and hasattr(gpt, "module"):
+        gpt = gpt.module
+    routers: list[LayerRouter] = []
+    for layer in gpt.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is not None:
+            if not isinstance(getattr(router, "router_replay", None), RouterReplay):
+                raise ValueError(
+                    f"layer {layer.layer_number - 1}'s router must have a RouterReplay "
+                    "(TransformerConfig(moe_enable_routing_replay=True)): got none"
+                )
+            routers.append((layer.layer_number - 1, router))
+    return routers
+
+
+def check_routed_experts(
+    config: TinyGPTConfig, routed: Any, input_ids: torch.Tensor, lengths: torch.Tensor, where: str
+) -> torch.Tensor:
+    """``routed`` as a LongTensor when it is a routing of this batch (shape and real entries); errors name ``where``.
+
+    Only real positions (``t < lengths[b]``) are checked: padding holds anything.
+
+    Raises:
+        ValueError: the model is dense, the shape is not ``[B, S, num_layers, topk]``, or a real token's
+            experts are out of ``[0, num_experts)`` or repeat an expert.
+        TypeError: ``routed`` is not an integer tensor.
+    """
+    name = f"'{where}routed_experts'"
+    if not config.is_moe:
+        raise ValueError(f"{name} needs an MoE model (num_experts >= 2): got a dense model (num_experts = 0)")
+    if not isinstance(routed, torch.Tensor) or routed.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
+        got = routed.dtype if isinstance(routed, torch.Tensor) else type(routed).__name__
+        raise TypeError(f"{name} must be an integer tensor [B, S, num_layers, topk]: got {got}")
+    expected = (*input_ids.shape, config.num_layers, config.moe_topk)
+    if tuple(routed.shape) != expected:
+        raise ValueError(f"{name} must have shape {expected} ([B, S, num_layers, topk]): got {tuple(routed.shape)}")
+    routed = routed.to(torch.long)
+    real = torch.arange(input_ids.shape[1])[None, :] < lengths.cpu()[:, None]  # [B, S]
+    experts = routed.cpu()[real]  # [tokens, L, K]
+    if experts.numel() and (experts.min() < 0 or experts.max() >= config.num_experts):
+        raise ValueError(
+            f"{name} must hold experts in [0, {config.num_experts}) at real positions: "
+            f"got values in [{int(experts.min())}, {int(experts.max())}]"
+        )
+    ordered = experts.sort(dim=-1).values
+    if config.moe_topk > 1 and bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+        raise ValueError(f"{name} must name {config.moe_topk} distinct experts per real token and layer: got a repeat")
+    return routed
+
+
+def padded(experts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``experts`` ``[B, S, ...]`` with ``PAD_EXPERT`` at every position ``t >= lengths[b]``."""
+    real = torch.arange(experts.shape[1], device=experts.device)[None, :] < lengths.to(experts.device)[:, None]
+    return torch.where(real.view(*real.shape, *([1] * (experts.dim() - 2))), experts, PAD_EXPERT)
+
+
+def to_router_order(routed: torch.Tensor, lengths: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s experts ``[S * B, topk]`` in a router's token order (row ``t * B + b``), padding as ``0 .. topk - 1``."""
+    experts = routed[:, :, layer, :]  # [B, S, K]
+    batch, seq, topk = experts.shape
+    real = torch.arange(seq, device=experts.device)[None, :] < lengths.to(experts.device)[:, None]
+    filler = torch.arange(topk, device=experts.device).expand(batch, seq, topk)
+    experts = torch.where(real[:, :, None], experts, filler)
+    return experts.transpose(0, 1).reshape(seq * batch, topk).contiguous()
+
+
+def from_router_order(indices: torch.Tensor, batch: int) -> torch.Tensor:
+    """A router's per-token experts ``[S * B, topk]`` as ``[B, S, topk]``, each token's experts in ascending order."""
+    tokens, topk = indices.shape
+    return indices.reshape(tokens // batch, batch, topk).transpose(0, 1).sort(dim=-1).values.to(torch.long)
+
+
+def _reset(routers: Sequence[LayerRouter]) -> None:
+    for _, router in routers:
+        router.router_replay.clear_indices()
+        router.router_replay.clear_router_replay_action()
+
+
+@contextlib.contextmanager
+def replaying(routers: Sequence[LayerRouter], routed: torch.Tensor | None, lengths: torch.Tensor) -> Iterator[None]:
+    """Within: each of ``routers`` routes the next forward's tokens by ``routed`` (REPLAY_FORWARD); None: by scores.
+
+    ``routed`` is a checked full-model routing ``[B, S, num_layers, topk]`` on the model's device; each router
+    takes its own global layer's slice. The models here do not recompute activations in backward, so the
+    forward's replay is the only one (REPLAY_BACKWARD is never reached).
+    """
+    _reset(routers)
+    try:
+        if routed is not None:
+            for layer, router in routers:
+                router.router_replay.set_target_indices(to_router_order(routed, lengths, layer))
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        yield
+    finally:
+        _reset(routers)
+
+
+@contextlib.contextmanager
+def recording(routers: Sequence[LayerRouter], batch: int, out: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Within: the routers choose by score and record (RECORD); on exit ``out[layer]`` is that layer's ``[B, S, topk]``.
+
+    Records the last forward run within (each forward overwrites a router's record).
+    """
+    _reset(routers)
+    try:
+        for _, router in routers:
+            router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+        yield
+        for layer, router in routers:
+            recorded = router.router_replay.get_recorded_indices()
+            if recorded is None:
+                raise RuntimeError(f"layer {layer}'s router recorded nothing: no forward ran within 'recording'")
+            out[layer] = from_router_order(recorded.detach().cpu(), batch)
+    finally:
+        _reset(routers)
+
+
+@contextlib.contextmanager
+def observing(routers: Sequence[LayerRouter], batch: int, out: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Within: each router's routing map (the experts its tokens were dispatched to) lands in ``out[layer]``
+    as ``[B, S, topk]``, whether the router chose by score or replayed; read by a forward hook, so it
+    observes what megatron dispatched, not what ``RouterReplay`` was told."""
+
+    def hook(layer: int) -> Any:
+        def read(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+            routing_map = output[1].detach().cpu()  # [S * B, E] bool, topk True per token
+            tokens, experts = routing_map.shape
+            ids = torch.arange(experts).expand(tokens, experts)[routing_map].view(tokens, -1)
+            out[layer] = from_router_order(ids, batch)
+
+        return read
+
+    handles = [router.register_forward_hook(hook(layer)) for layer, router in routers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
