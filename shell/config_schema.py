@@ -285,7 +285,7 @@ class ModelSection:
     num_attention_heads: int = _key("attention heads", _at_least(1))
     max_sequence_length: int = _key("positions of the model (the longest row must fit)", _at_least(1))
     num_experts: int = _key(
-        "experts of each layer's MoE MLP (0: a dense MLP); no expert parallelism: every rank holds every expert",
+        "experts of each layer's MoE MLP (0: a dense MLP); no expert parallelism: every rank holds every expert; MoE needs policy.layout.tensor_parallel=1",
         _dense_or_experts,
     )
     moe_topk: int = _key("experts routed per token, in [1, num_experts] (MoE only; unused when dense)", _at_least(1))
@@ -318,8 +318,8 @@ class PolicySection:
     )
     fetch_policy: FetchPolicyName = _key("auto | independent | leader_broadcast")
     router_replay: RouterReplayMode = _key(
-        "off | r3: replay the rollout's MoE routing in training (needs policy.model.num_experts > 0; "
-        "checked, not wired into the workers yet)"
+        "off | r3: the rollout records each token's MoE routing (field routed_experts) and training replays it "
+        "(needs policy.model.num_experts > 0)"
     )
     num_cpus_per_worker: float = _number("Ray CPUs per policy rank and per rollout engine", _above(0))
     timeout_s: float = _number("a worker call that takes longer fails the run", _above(0))
@@ -331,6 +331,12 @@ class PolicySection:
             raise ConfigError("policy.layout.tensor_parallel", f"must divide policy.model.num_attention_heads ({heads}): got {tp}")
         if layers % pp:
             raise ConfigError("policy.layout.pipeline_parallel", f"must divide policy.model.num_layers ({layers}): got {pp}")
+        if self.model.num_experts and tp > 1:
+            raise ConfigError(
+                "policy.layout.tensor_parallel",
+                f"must be 1 for an MoE model (policy.model.num_experts = {self.model.num_experts}; MoE training under "
+                f"TP needs sequence parallelism, not supported yet): got {tp}",
+            )
         if self.router_replay == RouterReplayMode.r3 and not self.model.num_experts:
             raise ConfigError(
                 "policy.router_replay",
@@ -344,7 +350,7 @@ class RolloutSection:
 
     PATH: ClassVar[str] = "rollout."
     precision: RolloutPrecision = _key(
-        "fp32 | bf16: the rollout engine's compute precision (checked, not wired yet: the engine computes in fp32)"
+        "fp32 | bf16: the rollout engine's compute precision (training stays fp32)"
     )
 
 

@@ -54,6 +54,7 @@ class PolicyConfig:
             packing pad multiple, else the TP size).
         learning_rate: Adam's step size.
         fetch_policy: how each replica group fetches data-plane rows (see :data:`shell.policy_worker.FetchPolicy`).
+        router_replay: replay each row's recorded MoE routing (field ``routed_experts``) in log-probs and training.
         num_cpus_per_worker: Ray CPUs per rank.
         timeout_s: how long a call may take.
 
@@ -71,6 +72,7 @@ class PolicyConfig:
     pad_multiple: int | None = attrs.field(default=None, validator=_optional(int))
     learning_rate: float = 1e-3
     fetch_policy: FetchPolicy = attrs.field(default="auto", validator=attrs.validators.in_(get_args(FetchPolicy)))
+    router_replay: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     num_cpus_per_worker: float = 0.25
     timeout_s: float = 600.0
     layout: StepLayout = attrs.field(init=False)
@@ -85,10 +87,19 @@ class PolicyConfig:
             pad_multiple=self.pad_multiple,
         )
 
+    @property
+    def replay_fields(self) -> tuple[str, ...]:
+        """The fields every forward reads beside ``input_ids`` to replay routing (the workers' rule)."""
+        return self.worker_config().replay_fields
+
     def worker_config(self) -> PolicyWorkerConfig:
         """The settings every worker builds its backend from."""
         return PolicyWorkerConfig(
-            model=self.model, seed=self.seed, learning_rate=self.learning_rate, fetch_policy=self.fetch_policy
+            model=self.model,
+            seed=self.seed,
+            learning_rate=self.learning_rate,
+            fetch_policy=self.fetch_policy,
+            router_replay=self.router_replay,
         )
 
 
@@ -171,13 +182,13 @@ class Policy:
         _check_prepared(rows)
         with self._releasing_on_failure():
             shards, unsorted = shard_step(rows.meta, self.config.layout, train=False)
-            inputs = self.transport.rank_inputs(rows, shards, unsorted, fields=(INPUT_IDS,))
+            inputs = self.transport.rank_inputs(rows, shards, unsorted, fields=(INPUT_IDS, *self.config.replay_fields))
             results = self.group.call(PolicyWorker.logprobs, inputs, outputs=names)
             return self.transport.collect(rows, results, unsorted, names)
 
     def train(self, rows: StepRows, loss_fn: Any) -> TrainResult:
         """One optimizer step per ``train_global_batch_size`` rows (``loss_fn.input_fields`` are read)."""
-        fields = (INPUT_IDS, *getattr(loss_fn, "input_fields", ()))
+        fields = (INPUT_IDS, *self.config.replay_fields, *getattr(loss_fn, "input_fields", ()))
         _check_prepared(rows)
         with self._releasing_on_failure():
             shards, unsorted = shard_step(rows.meta, self.config.layout, train=True)

@@ -43,7 +43,7 @@ from adapters.model_port import PolicyBackend
 from adapters.rows import build_tensordict
 from adapters.store_port import DataPlaneClient
 from core.codec import Layout
-from core.fields import INPUT_IDS, LENGTHS, PREV_LOGPROBS, REFERENCE_LOGPROBS
+from core.fields import INPUT_IDS, LENGTHS, PREV_LOGPROBS, REFERENCE_LOGPROBS, ROUTED_EXPERTS
 from core.meta import KVBatchMeta
 from core.model_config import TinyGPTConfig
 from core.step_plan import micro_batch_spans
@@ -71,6 +71,8 @@ class PolicyWorkerConfig:
         learning_rate: Adam's step size.
         fetch_policy: how the replica group fetches data-plane rows (see :data:`FetchPolicy`).
         torch_threads: intra-op threads per worker (1 keeps a shared CPU machine usable).
+        router_replay: fetch each row's ``routed_experts`` with its tokens and replay it (R3) in every
+            log-prob forward and training step (an MoE ``model`` only).
     """
 
     model: TinyGPTConfig = attrs.field(factory=TinyGPTConfig, validator=attrs.validators.instance_of(TinyGPTConfig))
@@ -79,6 +81,16 @@ class PolicyWorkerConfig:
     learning_rate: float = 1e-3
     fetch_policy: FetchPolicy = attrs.field(default="auto", validator=attrs.validators.in_(get_args(FetchPolicy)))
     torch_threads: int = 1
+    router_replay: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    def __attrs_post_init__(self) -> None:
+        if self.router_replay and not self.model.is_moe:
+            raise ValueError("'router_replay' needs an MoE model (model.num_experts >= 2): got num_experts=0")
+
+    @property
+    def replay_fields(self) -> tuple[str, ...]:
+        """The fields a forward fetches beside ``input_ids`` to replay routing: ``(routed_experts,)`` or none."""
+        return (ROUTED_EXPERTS,) if self.router_replay else ()
 
 
 # ---------------------------------------------------------------- pure helpers (no I/O)
@@ -281,13 +293,18 @@ class PolicyWorker(ModelWorker):
         unknown = [n for n in names if n not in LOGPROB_OUTPUTS]
         if not names or unknown:
             raise ValueError(f"'outputs' must name some of {list(LOGPROB_OUTPUTS)}: got {list(names)}")
-        batch = shard.rows(self, [INPUT_IDS])
+        batch = shard.rows(self, [INPUT_IDS, *self.config.replay_fields])
         plan = micro_batch_spans(shard.extra_info, len(batch))
         input_ids, lengths = batch[INPUT_IDS], batch[LENGTHS]
+        routed = batch[ROUTED_EXPERTS] if self.config.router_replay else None
         results = {}
         for name in names:
             forward = self.backend.reference_logprobs if name == REFERENCE_LOGPROBS else self.backend.logprobs
-            results[name] = torch.cat([forward(input_ids[a:b], lengths[a:b]) for step in plan for a, b in step])
+            results[name] = torch.cat([
+                forward(input_ids[a:b], lengths[a:b], None if routed is None else routed[a:b])
+                for step in plan
+                for a, b in step
+            ])
         return {**self._stats(batch, plan), **shard.deliver(self, results)}
 
     @sharded
@@ -297,7 +314,7 @@ class PolicyWorker(ModelWorker):
         Returns:
             Stats, and per step the loss, the grad norm and the micro-batches' metrics.
         """
-        batch = shard.rows(self, [INPUT_IDS, *getattr(loss_fn, "input_fields", ())])
+        batch = shard.rows(self, [INPUT_IDS, *self.config.replay_fields, *getattr(loss_fn, "input_fields", ())])
         plan = micro_batch_spans(shard.extra_info, len(batch))
         tensors = _tensors(batch)
         steps = []

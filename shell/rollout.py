@@ -28,7 +28,8 @@ import torch
 
 from adapters.model_port import PolicyBackend
 from adapters.rows import build_tensordict
-from core.fields import GENERATION_LOGPROBS, INPUT_IDS, LENGTHS, TOKEN_MASK, WEIGHT_VERSION
+from core.fields import GENERATION_LOGPROBS, INPUT_IDS, LENGTHS, ROUTED_EXPERTS, TOKEN_MASK, WEIGHT_VERSION
+from core.routing import encode_routing
 from core.meta import KVBatchMeta
 from core.model_config import TinyGPTConfig
 from core.rollout_carry import RolloutCarry
@@ -41,7 +42,7 @@ from shell.run_task import checked_rewards
 from shell.step_rows import StepRows
 from shell.worker import on_all_ranks
 
-ROLLOUT_TOKEN_FIELDS: tuple[str, ...] = (INPUT_IDS, TOKEN_MASK, GENERATION_LOGPROBS)
+ROLLOUT_TOKEN_FIELDS: tuple[str, ...] = (INPUT_IDS, TOKEN_MASK, GENERATION_LOGPROBS, ROUTED_EXPERTS)
 """The per-token fields a rollout can write (``generation_logprobs`` only when asked to)."""
 
 _SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
@@ -70,6 +71,9 @@ class RolloutConfig:
         task: the task that supplies prompt tokens and rewards (picklable).
         temperature: the sampling temperature (> 0).
         torch_threads: intra-op threads of the engine.
+        precision: ``"fp32"`` or ``"bf16"``: the compute precision of the engine's forwards (training stays fp32).
+        record_routing: write each token's MoE routing (``routed_experts``, the narrowest int dtype of
+            :func:`core.routing.routing_dtype`) with the rows, for R3 replay (an MoE ``model`` only).
     """
 
     model: TinyGPTConfig = attrs.field(validator=attrs.validators.instance_of(TinyGPTConfig))
@@ -77,6 +81,12 @@ class RolloutConfig:
     task: Any = attrs.field()
     temperature: float = 1.0
     torch_threads: int = 1
+    precision: str = attrs.field(default="fp32", validator=attrs.validators.in_(("fp32", "bf16")))
+    record_routing: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    def __attrs_post_init__(self) -> None:
+        if self.record_routing and not self.model.is_moe:
+            raise ValueError("'record_routing' needs an MoE model (model.num_experts >= 2): got num_experts=0")
 
     @task.validator
     def _check_task(self, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -201,6 +211,7 @@ class RolloutWorker(ModelWorker):
             generator=generator,
             temperature=self.config.temperature,
             vocab_limit=task.tokenizer.vocab_size,
+            precision=self.config.precision,
         )
         sequences, lengths = generation.sequences, generation.lengths
         entropy = tuple(generation.entropy.tolist())
@@ -221,6 +232,8 @@ class RolloutWorker(ModelWorker):
         columns = {INPUT_IDS: sequences, TOKEN_MASK: token_mask}
         if record_logprobs:
             columns[GENERATION_LOGPROBS] = generation.logprobs
+        if self.config.record_routing:
+            columns[ROUTED_EXPERTS] = encode_routing(generation.routed_experts, self.config.model.num_experts)
         stems = list(uids) if uids is not None else [f"{key_prefix}s{step}b{batch_index}p{j}" for j in range(len(prompts))]
         keys = [key for stem in stems for key in row_keys(stem, num_generations)]
         tags = None if weight_version is None else [{WEIGHT_VERSION: int(weight_version)} for _ in keys]
