@@ -38,14 +38,12 @@ import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from core.model_config import TinyGPTConfig
+from core.routing import NO_ROUTE, check_routing, pad_routing_for_replay
 
 __all__ = [
-    "PAD_EXPERT", "LayerRouter", "check_routed_experts", "from_router_order", "layer_routers", "observing",
+    "LayerRouter", "check_routed_experts", "from_router_order", "layer_routers", "observing",
     "padded", "recording", "replaying", "to_router_order",
 ]
-
-PAD_EXPERT = -1
-"""The expert id a routing holds at padding positions."""
 
 LayerRouter = tuple[int, torch.nn.Module]
 """(global layer index, the layer's megatron router module, whose ``router_replay`` is its ``RouterReplay``)."""
@@ -75,51 +73,44 @@ def layer_routers(model: torch.nn.Module) -> list[LayerRouter]:
 def check_routed_experts(
     config: TinyGPTConfig, routed: Any, input_ids: torch.Tensor, lengths: torch.Tensor, where: str
 ) -> torch.Tensor:
-    """``routed`` as a LongTensor when it is a routing of this batch (shape and real entries); errors name ``where``.
+    """``routed`` as a LongTensor when it is a routing of this batch; errors name ``where`` (and the row, token
+    and layer of a bad entry, by :func:`core.routing.check_routing`).
 
     Only real positions (``t < lengths[b]``) are checked: padding holds anything.
 
     Raises:
         ValueError: the model is dense, the shape is not ``[B, S, num_layers, topk]``, or a real token's
-            experts are out of ``[0, num_experts)`` or repeat an expert.
+            experts are out of ``[0, num_experts)``, missing (-1) or repeat an expert.
         TypeError: ``routed`` is not an integer tensor.
     """
-    name = f"'{where}routed_experts'"
+    name = f"{where}routed_experts"
     if not config.is_moe:
-        raise ValueError(f"{name} needs an MoE model (num_experts >= 2): got a dense model (num_experts = 0)")
+        raise ValueError(f"'{name}' needs an MoE model (num_experts >= 2): got a dense model (num_experts = 0)")
     if not isinstance(routed, torch.Tensor) or routed.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
         got = routed.dtype if isinstance(routed, torch.Tensor) else type(routed).__name__
-        raise TypeError(f"{name} must be an integer tensor [B, S, num_layers, topk]: got {got}")
+        raise TypeError(f"'{name}' must be an integer tensor [B, S, num_layers, topk]: got {got}")
     expected = (*input_ids.shape, config.num_layers, config.moe_topk)
     if tuple(routed.shape) != expected:
-        raise ValueError(f"{name} must have shape {expected} ([B, S, num_layers, topk]): got {tuple(routed.shape)}")
-    routed = routed.to(torch.long)
-    real = torch.arange(input_ids.shape[1])[None, :] < lengths.cpu()[:, None]  # [B, S]
-    experts = routed.cpu()[real]  # [tokens, L, K]
-    if experts.numel() and (experts.min() < 0 or experts.max() >= config.num_experts):
-        raise ValueError(
-            f"{name} must hold experts in [0, {config.num_experts}) at real positions: "
-            f"got values in [{int(experts.min())}, {int(experts.max())}]"
-        )
-    ordered = experts.sort(dim=-1).values
-    if config.moe_topk > 1 and bool((ordered[..., 1:] == ordered[..., :-1]).any()):
-        raise ValueError(f"{name} must name {config.moe_topk} distinct experts per real token and layer: got a repeat")
-    return routed
+        raise ValueError(f"'{name}' must have shape {expected} ([B, S, num_layers, topk]): got {tuple(routed.shape)}")
+    routed = routed.cpu()
+    check_routing(
+        routed, lengths.cpu(), num_layers=config.num_layers, topk=config.moe_topk, num_experts=config.num_experts,
+        field=name,
+    )
+    return routed.to(torch.long)
 
 
 def padded(experts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``experts`` ``[B, S, ...]`` with ``PAD_EXPERT`` at every position ``t >= lengths[b]``."""
+    """``experts`` ``[B, S, ...]`` with ``NO_ROUTE`` (-1) at every position ``t >= lengths[b]``."""
     real = torch.arange(experts.shape[1], device=experts.device)[None, :] < lengths.to(experts.device)[:, None]
-    return torch.where(real.view(*real.shape, *([1] * (experts.dim() - 2))), experts, PAD_EXPERT)
+    return torch.where(real.view(*real.shape, *([1] * (experts.dim() - 2))), experts, NO_ROUTE)
 
 
 def to_router_order(routed: torch.Tensor, lengths: torch.Tensor, layer: int) -> torch.Tensor:
-    """Layer ``layer``'s experts ``[S * B, topk]`` in a router's token order (row ``t * B + b``), padding as ``0 .. topk - 1``."""
-    experts = routed[:, :, layer, :]  # [B, S, K]
+    """Layer ``layer``'s experts ``[S * B, topk]`` in a router's token order (row ``t * B + b``), padding as
+    ``0 .. topk - 1`` (:func:`core.routing.pad_routing_for_replay`)."""
+    experts = pad_routing_for_replay(routed.cpu(), lengths.cpu()).to(routed.device)[:, :, layer, :]  # [B, S, K]
     batch, seq, topk = experts.shape
-    real = torch.arange(seq, device=experts.device)[None, :] < lengths.to(experts.device)[:, None]
-    filler = torch.arange(topk, device=experts.device).expand(batch, seq, topk)
-    experts = torch.where(real[:, :, None], experts, filler)
     return experts.transpose(0, 1).reshape(seq * batch, topk).contiguous()
 
 

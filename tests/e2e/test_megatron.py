@@ -285,6 +285,8 @@ def _moe_single_rank(rank: int, inputs: Results) -> Results:
     bad_range[0, 0, 0, 0] = MOE_CONFIG.num_experts
     repeated = other.clone()
     repeated[0, 0, 0, :] = 1
+    missing = other.clone()
+    missing[1, 0, 1, 0] = -1
     out["errors"] = {
         "dense_routing": _capture(lambda: dense.routing(INPUT_IDS, LENGTHS)),
         "dense_replay": _capture(lambda: dense.logprobs(INPUT_IDS, LENGTHS, MOE_REPLAYED)),
@@ -292,6 +294,7 @@ def _moe_single_rank(rank: int, inputs: Results) -> Results:
         "float_routing": _capture(lambda: backend.logprobs(INPUT_IDS, LENGTHS, MOE_REPLAYED.float())),
         "out_of_range": _capture(lambda: backend.logprobs(gen.sequences, gen.lengths, bad_range)),
         "repeated_expert": _capture(lambda: backend.logprobs(gen.sequences, gen.lengths, repeated)),
+        "missing_route": _capture(lambda: backend.logprobs(gen.sequences, gen.lengths, missing)),
         "bad_micro_batch_routing": _capture(
             lambda: backend.train_step([{**MICRO_BATCHES[0], "routed_experts": MOE_REPLAYED}], _loss_fn)
         ),
@@ -848,15 +851,19 @@ def test_bf16_rollout_routing_disagrees_with_the_trainer_until_replayed(moe_sing
 
 
 def test_moe_routing_rejects_dense_models_and_malformed_routings(moe_single: Results) -> None:
-    """A dense model has no routing; a routing of the wrong shape, dtype, range or with a repeat is refused."""
+    """A dense model has no routing; a routing of the wrong shape or dtype, out of range, with a repeat or a missing
+    route at a real token is refused, naming the row, token and layer."""
     errors = moe_single["errors"]
     for name, kind, pattern in (
         ("dense_routing", ValueError, r"'routing' needs an MoE model"),
         ("dense_replay", ValueError, r"'routed_experts' needs an MoE model"),
         ("wrong_shape", ValueError, r"'routed_experts' must have shape \(4, 12, 2, 2\) .*: got \(4, 5, 2, 2\)"),
         ("float_routing", TypeError, r"'routed_experts' must be an integer tensor .*: got torch.float32"),
-        ("out_of_range", ValueError, r"must hold experts in \[0, 4\) at real positions: got values in \[0, 4\]"),
-        ("repeated_expert", ValueError, r"must name 2 distinct experts per real token and layer"),
+        ("out_of_range", ValueError, r"^routed_experts row 0 token 0 layer 0: expected expert ids in \[0, 4\), got 4$"),
+        ("repeated_expert", ValueError, r"^routed_experts row 0 token 0 layer 0: expected 2 distinct experts, got \[1, 1\]$"),
+        ("missing_route", ValueError,
+         r"^routed_experts row 1 token 0 layer 1: expected a route in each of the 2 top-k slots \(ids in \[0, 4\)\), "
+         r"got -1 \(no route\) in slot 0$"),
         ("bad_micro_batch_routing", ValueError, r"'micro_batches\[0\]\.routed_experts' must have shape \(2, 12, 2, 2\)"),
         ("bad_precision", ValueError, r"'precision' must be one of \['fp32', 'bf16'\]: got 'fp16'"),
     ):
