@@ -46,11 +46,15 @@ def partition() -> str:
 
 @pytest.fixture(scope="module")
 def moe_runs(tq_store_session: TransferQueueStore, tmp_path_factory: pytest.TempPathFactory, partition: str) -> dict[str, Any]:
-    """A short MoE + R3 run on each path (same seed and config), on the session's Ray and TransferQueue."""
+    """A short MoE + R3 run on each path (same seed and config; the data plane verifies digests), on the session's Ray
+    and TransferQueue."""
     out: dict[str, Any] = {}
     for name, enabled in (("legacy", "false"), ("data_plane", "true")):
         run_dir: Path = tmp_path_factory.mktemp(f"moe-{name}")
-        status = shell_run.main([*MOE, f"run.dir={run_dir}", f"data_plane.enabled={enabled}", f"data_plane.partition={partition}"])
+        args = [*MOE, f"run.dir={run_dir}", f"data_plane.enabled={enabled}", f"data_plane.partition={partition}"]
+        if enabled == "true":
+            args.append("data_plane.verify_integrity=true")  # every row's digest, routed_experts included, checked at get
+        status = shell_run.main(args)
         out[name] = {"status": status, "records": read_metrics(run_dir / "metrics.jsonl")}
     return out
 
