@@ -1,4 +1,4 @@
-"""Entry point: ``python -m shell.bench {balance,dataplane,policy,grpo,reward,revisions,async} [options] [--markdown]``."""
+"""Entry point: ``python -m shell.bench {balance,dataplane,policy,grpo,reward,revisions,async,r3} [options] [--markdown]``."""
 
 from __future__ import annotations
 
@@ -70,6 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     asynchronous.add_argument("--plot", default=None, help="the PNG (default RUNS_DIR/async_reward.png; the README's is docs/img/async_reward.png)")
     asynchronous.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides (default: task.name=reverse)")
     asynchronous.set_defaults(markdown=True)
+    r3 = sub.add_parser(
+        "r3", help="MoE router replay (R3) with a bf16 rollout: routing and log-prob mismatch off vs r3, step cost, routing bytes, reward"
+    )
+    r3.add_argument("--seeds", type=int, default=3, help="paired repeats, one seed each (default 3)")
+    r3.add_argument("--steps", type=int, default=100, help="steps per cost run (default 100)")
+    r3.add_argument("--batches", type=int, default=4, help="generation batches per seed in the mismatch table (default 4)")
+    r3.add_argument("--bytes-steps", type=int, default=5, help="steps of each routing-bytes run (default 5)")
+    r3.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
+    r3.add_argument("--runs-dir", default=None, help="where the runs go (default runs/r3-<timestamp>)")
+    r3.add_argument("--reuse", action="store_true", help="read the runs in --runs-dir instead of running them")
+    r3.add_argument("--plot", default=None, help="the PNG (default RUNS_DIR/r3_reward.png; the docs' is docs/img/r3_reward.png)")
+    r3.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides (default: 8 experts, top-2, bf16 rollout, memory store)")
+    r3.set_defaults(markdown=True)
     args = parser.parse_args(argv)
     if getattr(args, "seeds", 1) < 1:
         parser.error(f"--seeds must be >= 1: got {args.seeds}")
@@ -131,6 +144,23 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             parser.error(str(error))
         run_async(acfg, report)
+    elif args.name == "r3":
+        import time
+
+        from shell.bench.r3 import R3BenchConfig
+        from shell.bench.r3 import run as run_r3
+
+        if args.reuse and args.runs_dir is None:
+            parser.error("--reuse needs --runs-dir (the folder holding the runs)")
+        try:
+            rcfg = R3BenchConfig(
+                seeds=args.seeds, steps=args.steps, batches=args.batches, bytes_steps=args.bytes_steps,
+                first_seed=args.first_seed, reuse=args.reuse, plot=args.plot, overrides=tuple(args.overrides),
+                runs_dir=args.runs_dir or f"runs/r3-{time.strftime('%Y%m%d-%H%M%S')}",
+            )
+        except ValueError as error:
+            parser.error(str(error))
+        run_r3(rcfg, report)
     elif args.name == "revisions":
         from shell.bench.revisions import RevisionsConfig
         from shell.bench.revisions import run as run_revisions

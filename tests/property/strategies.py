@@ -1054,3 +1054,25 @@ def async_schedules(draw: st.DrawFn, *, max_staleness: int | None = None) -> dic
         "max_staleness": draw(st.integers(0, 3)) if max_staleness is None else max_staleness,
         "actions": draw(st.lists(st.sampled_from(ASYNC_ACTIONS), max_size=60)),
     }
+
+
+# ---------------------------------------------------------------- benches (shell/bench)
+
+
+@st.composite
+def bench_step_records(draw: st.DrawFn, *, min_steps: int = 1, max_steps: int = 30) -> list[dict[str, Any]]:
+    """One run's ``metrics.jsonl`` records, steps ``1 .. n`` in step order, with the fields the R3 bench reads."""
+    n = draw(st.integers(min_steps, max_steps))
+    records = []
+    for step in range(1, n + 1):
+        rows = draw(st.integers(1, 64))
+        records.append({
+            "step": step,
+            "step_time_s": draw(st.floats(0.01, 5.0)),
+            "reward_mean": draw(st.floats(0.0, 1.0)),
+            "driver_bytes": draw(st.integers(0, 10**6)),
+            "data_plane_bytes": draw(st.integers(0, 10**6)),
+            "rows": rows,
+            "sequence_tokens_mean": draw(st.integers(rows, 30 * rows)) / rows,
+        })
+    return records

@@ -1,0 +1,160 @@
+"""The R3 bench's arithmetic: pooled routing and log-prob metrics, paired ratios, routing bytes, record checks, config."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from core.routing import LogprobMismatch, logprob_mismatch, routing_bytes, routing_disagreement
+from shell.bench.r3 import (
+    LAST,
+    R3BenchConfig,
+    check_records,
+    mean_step_time,
+    paired_ratios,
+    pool_disagreement,
+    pool_mismatch,
+    ratio,
+    same_values,
+    step_routing_bytes,
+    step_tokens,
+)
+from tests.property.strategies import bench_step_records, mismatch_inputs, routing_cases
+
+
+@given(routing_cases(), st.data())
+def test_pool_disagreement_of_row_splits_is_the_whole_batch(case: dict, data: st.DataObject) -> None:
+    """Pooling the disagreements of the batch's rows, split anywhere, gives the disagreement of the whole batch."""
+    routed, lengths = case["routed"], case["lengths"]
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    other = torch.where(torch.rand(routed.shape, generator=gen) < 0.2, routed.flip(-1) + 1, routed)
+    whole = routing_disagreement(routed, other, lengths)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(lengths)), max_size=3)))
+    bounds = [0, *cuts, len(lengths)]
+    parts = [routing_disagreement(routed[a:b], other[a:b], lengths[a:b]) for a, b in zip(bounds, bounds[1:])]
+    assert pool_disagreement(parts) == whole
+
+
+@given(mismatch_inputs(), st.integers(0, 4))
+def test_pool_mismatch_of_row_splits_is_the_whole_batch(case: dict, cut: int) -> None:
+    """Pooling the token-weighted means of two row splits gives the mismatch of the whole batch (bool masks)."""
+    train, rollout, mask = case["train_logprobs"], case["rollout_logprobs"], case["mask"] != 0
+    cut = min(cut, len(train))
+    whole = logprob_mismatch(train, rollout, mask)
+    pooled = pool_mismatch([logprob_mismatch(train[:cut], rollout[:cut], mask[:cut]),
+                            logprob_mismatch(train[cut:], rollout[cut:], mask[cut:])])
+    assert pooled.tokens == whole.tokens
+    assert pooled.mean_abs_diff == pytest.approx(whole.mean_abs_diff, rel=1e-9, abs=1e-12)
+    assert pooled.k3_kl == pytest.approx(whole.k3_kl, rel=1e-9, abs=1e-12)
+
+
+def test_pool_rejects_no_parts() -> None:
+    """Pooling nothing is refused; pooling parts of no tokens gives zeros."""
+    with pytest.raises(ValueError, match="'parts' must hold at least one RoutingDisagreement: got 0"):
+        pool_disagreement([])
+    with pytest.raises(ValueError, match="'parts' must hold at least one LogprobMismatch: got 0"):
+        pool_mismatch([])
+    assert pool_mismatch([LogprobMismatch(0.0, 0.0, 0)] * 2) == LogprobMismatch(0.0, 0.0, 0)
+
+
+@given(st.lists(bench_step_records(), min_size=1, max_size=4), st.lists(bench_step_records(), min_size=4, max_size=4))
+def test_paired_ratios_are_per_seed_ratios_of_mean_step_times(treated: list, baseline: list) -> None:
+    """Each paired ratio is the seed's mean treated step time over its mean baseline step time; a run against itself is 1."""
+    treated_by_seed = {s: treated[s % len(treated)] for s in range(4)}
+    baseline_by_seed = dict(enumerate(baseline))
+    got = paired_ratios(treated_by_seed, baseline_by_seed)
+    for s, value in enumerate(got):
+        expected = (math.fsum(r["step_time_s"] for r in treated_by_seed[s]) / len(treated_by_seed[s])) / mean_step_time(baseline[s])
+        assert value == pytest.approx(expected)
+    assert paired_ratios(baseline_by_seed, baseline_by_seed) == pytest.approx([1.0] * 4)
+
+
+def test_paired_ratios_rejects_other_seeds() -> None:
+    """Both sides must hold the same seeds."""
+    run = [{"step": 1, "step_time_s": 1.0}]
+    with pytest.raises(ValueError, match=r"'treated' must hold the seeds of 'baseline' \(\[0, 1\]\): got \[0\]"):
+        paired_ratios({0: run}, {0: run, 1: run})
+
+
+@given(bench_step_records(), st.integers(1, 4), st.integers(1, 4), st.integers(4, 300))
+def test_step_routing_bytes_is_routing_bytes_of_the_step_tokens(records: list, layers: int, topk: int, experts: int) -> None:
+    """A step's routing bytes are routing_bytes of rows x mean length tokens: one id per token, layer and slot."""
+    for record in records:
+        tokens = step_tokens(record)
+        assert tokens == pytest.approx(record["rows"] * record["sequence_tokens_mean"], abs=1e-6)
+        got = step_routing_bytes(record, num_layers=layers, topk=topk, num_experts=experts)
+        assert got == routing_bytes(tokens, layers, topk, experts) == tokens * layers * topk * (1 if experts <= 128 else 2)
+
+
+@given(bench_step_records(min_steps=1), st.randoms(use_true_random=False))
+def test_check_records_orders_and_accepts_whole_runs(records: list, rng: random.Random) -> None:
+    """A run's records in any order come back in step order; a missing step, an extra step or a missing field is refused."""
+    shuffled = records[:]
+    rng.shuffle(shuffled)
+    assert check_records(shuffled, len(records), "run") == records
+    with pytest.raises(ValueError, match=rf"'run' must hold steps 1..{len(records) + 1} once each: got {len(records)} records"):
+        check_records(records, len(records) + 1, "run")
+    with pytest.raises(ValueError, match=r"'run' must hold steps 1\.\.\d+ once each"):
+        check_records([*records, records[-1]], len(records), "run")
+    broken = [*records[:-1], {k: v for k, v in records[-1].items() if k != "driver_bytes"}]
+    with pytest.raises(ValueError, match=rf"'run' step {len(records)} must hold .*: missing \['driver_bytes'\]"):
+        check_records(broken, len(records), "run")
+
+
+@given(bench_step_records(min_steps=2))
+def test_same_values_holds_for_a_prefix_and_fails_on_a_change(records: list) -> None:
+    """A run's first steps repeat it; changing one value of one step breaks it."""
+    prefix = records[: len(records) // 2 + 1]
+    assert same_values(prefix, records, ("driver_bytes", "data_plane_bytes"))
+    changed = [*prefix[:-1], {**prefix[-1], "driver_bytes": prefix[-1]["driver_bytes"] + 1}]
+    assert not same_values(changed, records, ("driver_bytes",))
+    assert same_values(changed, records, ("data_plane_bytes",))
+
+
+def test_ratio_handles_zero_denominators() -> None:
+    """0 / 0 is nan, x / 0 is inf, otherwise the quotient."""
+    assert math.isnan(ratio(0.0, 0.0))
+    assert ratio(1.0, 0.0) == math.inf
+    assert ratio(1.0, 4.0) == 0.25
+
+
+def test_r3_bench_config_rejects_bad_options(tmp_path: Path) -> None:
+    """Counts out of range, overrides the bench sets, malformed items and a dense model are refused with the field named."""
+    def make(**kwargs: object) -> R3BenchConfig:
+        return R3BenchConfig(**{"seeds": 1, "steps": LAST, "runs_dir": str(tmp_path), **kwargs})
+
+    for kwargs, pattern in (
+        ({"seeds": 0}, "'seeds' must be >= 1: got 0"),
+        ({"steps": LAST - 1}, f"'steps' must be >= {LAST}: got {LAST - 1}"),
+        ({"batches": 0}, "'batches' must be >= 1: got 0"),
+        ({"bytes_steps": LAST + 1}, rf"'bytes_steps' must be in \[1, steps \({LAST}\)\]: got {LAST + 1}"),
+        ({"first_seed": -1}, "'first_seed' must be >= 0: got -1"),
+        ({"overrides": ("grpo.num_steps",)}, "'overrides' must be key=value items"),
+        ({"overrides": ("policy.model.num_experts=0",)}, "must keep an MoE model .*: got '0'"),
+    ):
+        with pytest.raises(ValueError, match=pattern):
+            make(**kwargs)
+    for bad in ("seed=3", "grpo.num_steps=5", "run.dir=x", "policy.router_replay=r3", "data_plane.enabled=false"):
+        with pytest.raises(ValueError, match="must not set"):
+            make(overrides=(bad,))
+
+
+def test_r3_bench_config_applies_defaults_unless_overridden(tmp_path: Path) -> None:
+    """The MoE bf16 memory-store setting is the default; an override replaces its key and keeps its place last."""
+    cfg = R3BenchConfig(seeds=2, steps=LAST, runs_dir=str(tmp_path), first_seed=3)
+    assert cfg.base_overrides == (
+        "policy.model.num_experts=8", "policy.model.moe_topk=2", "rollout.precision=bf16", "data_plane.backend=memory",
+    )
+    assert cfg.seed_list == [3, 4]
+    own = R3BenchConfig(
+        seeds=1, steps=LAST, runs_dir=str(tmp_path), overrides=("data_plane.backend=transfer_queue", "policy.model.num_experts=4")
+    )
+    assert own.base_overrides == (
+        "policy.model.moe_topk=2", "rollout.precision=bf16", "data_plane.backend=transfer_queue", "policy.model.num_experts=4",
+    )
