@@ -106,10 +106,10 @@ def padded(experts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.where(real.view(*real.shape, *([1] * (experts.dim() - 2))), experts, NO_ROUTE)
 
 
-def to_router_order(routed: torch.Tensor, lengths: torch.Tensor, layer: int) -> torch.Tensor:
-    """Layer ``layer``'s experts ``[S * B, topk]`` in a router's token order (row ``t * B + b``), padding as
-    ``0 .. topk - 1`` (:func:`core.routing.pad_routing_for_replay`)."""
-    experts = pad_routing_for_replay(routed.cpu(), lengths.cpu()).to(routed.device)[:, :, layer, :]  # [B, S, K]
+def to_router_order(routed: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s experts ``[S * B, topk]`` of a routing padded for replay (no -1 left), in a router's
+    token order (row ``t * B + b``)."""
+    experts = routed[:, :, layer, :]  # [B, S, K]
     batch, seq, topk = experts.shape
     return experts.transpose(0, 1).reshape(seq * batch, topk).contiguous()
 
@@ -137,8 +137,10 @@ def replaying(routers: Sequence[LayerRouter], routed: torch.Tensor | None, lengt
     _reset(routers)
     try:
         if routed is not None:
+            # Padding routed to experts 0 .. topk - 1 (core.routing.pad_routing_for_replay), once for every layer.
+            ready = pad_routing_for_replay(routed.cpu(), lengths.cpu()).to(routed.device)
             for layer, router in routers:
-                router.router_replay.set_target_indices(to_router_order(routed, lengths, layer))
+                router.router_replay.set_target_indices(to_router_order(ready, layer))
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         yield
     finally:

@@ -71,8 +71,9 @@ class PolicyWorkerConfig:
         learning_rate: Adam's step size.
         fetch_policy: how the replica group fetches data-plane rows (see :data:`FetchPolicy`).
         torch_threads: intra-op threads per worker (1 keeps a shared CPU machine usable).
-        router_replay: fetch each row's ``routed_experts`` with its tokens and replay it (R3) in every
-            log-prob forward and training step (an MoE ``model`` only).
+        router_replay: fetch each row's ``routed_experts`` with its tokens and replay it (R3) in the policy's
+            log-prob forwards and training steps (an MoE ``model`` only); the frozen reference routes by its
+            own scores (the routing is the sampling policy's, not the reference's).
     """
 
     model: TinyGPTConfig = attrs.field(factory=TinyGPTConfig, validator=attrs.validators.instance_of(TinyGPTConfig))
@@ -299,9 +300,11 @@ class PolicyWorker(ModelWorker):
         routed = batch[ROUTED_EXPERTS] if self.config.router_replay else None
         results = {}
         for name in names:
+            # The routing is the sampling policy's: the policy replays it, the frozen reference routes by its own scores.
             forward = self.backend.reference_logprobs if name == REFERENCE_LOGPROBS else self.backend.logprobs
+            replay = routed if name == PREV_LOGPROBS else None
             results[name] = torch.cat([
-                forward(input_ids[a:b], lengths[a:b], None if routed is None else routed[a:b])
+                forward(input_ids[a:b], lengths[a:b], None if replay is None else replay[a:b])
                 for step in plan
                 for a, b in step
             ])
