@@ -308,6 +308,6 @@ def plot_compare(
     return _save(figure, path, dpi)
 
 
-def _wrapped(title: object, width: int = 100) -> str:
+def _wrapped(title: object, width: int = 80) -> str:
     """``title`` with each line wrapped at ``width`` characters, so a long title stays inside the figure."""
     return "\n".join(textwrap.fill(line, width) for line in str(title).splitlines())
