@@ -100,6 +100,18 @@ def _reference_entropy(backend: MegatronGPTBackend, generation: Generation, voca
     return torch.tensor(sums, dtype=torch.float64)
 
 
+class _AllocatesOnCudaInBackward(torch.autograd.Function):
+    """Doubles its input; its backward allocates as megatron's tensor-parallel Functions do (``device=`` the CUDA index)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return torch.empty(grad.shape, device=torch.cuda.current_device()).copy_(grad * 2)
+
+
 def _capture(call: Callable[[], object]) -> BaseException | None:
     """The exception ``call`` raises, or None; sent back so the parent can re-raise it under ``pytest.raises``."""
     try:
@@ -125,6 +137,9 @@ def _single_rank(rank: int, inputs: Results) -> Results:
     out["shim_depth_change"] = torch._C._len_torch_function_stack() - depth
     out["shim_cuda_tensor_device"] = torch.zeros(1, device="cuda").device
     out["shim_current_device"] = torch.cuda.current_device()
+    x = torch.ones(3, requires_grad=True)
+    torch.autograd.backward(_AllocatesOnCudaInBackward.apply(x).sum())
+    out["shim_backward_grad"] = x.grad
 
     backend = _backend()
     out["logprobs"] = backend.logprobs(INPUT_IDS, LENGTHS)
@@ -521,11 +536,13 @@ def test_backend_requires_initialised_process_group() -> None:
 
 
 def test_apply_cpu_shim_is_idempotent_and_maps_cuda_to_cpu(single: Results) -> None:
-    """The shim is off until applied; a second call pushes nothing more; CUDA allocations land on CPU."""
+    """The shim is off until applied; a second call pushes nothing more; CUDA allocations land on CPU, also inside
+    a custom autograd Function's backward."""
     assert single["shim_before"] is False
     assert single["shim_depth_change"] == 0
     assert single["shim_cuda_tensor_device"] == torch.device("cpu")
     assert single["shim_current_device"] == 0
+    assert torch.equal(single["shim_backward_grad"], torch.full((3,), 2.0))  # allocated on CPU inside backward
 
 
 def test_logprobs_shape_sign_and_zero_convention(single: Results) -> None:
