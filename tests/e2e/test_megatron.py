@@ -11,8 +11,8 @@ both.
 
 The MoE worlds (``MOE_CONFIG``) check routing record and replay: one rank
 against itself (token order, replay, padding, bf16 rollouts), and TP=2 (with
-sequence parallelism, on batches of odd and even width) and PP=2 against the
-single MoE rank.
+sequence parallelism, on batches of odd and even width), PP=2 and TP=2 x PP=2
+(sequence-parallel stages) against the single MoE rank.
 """
 
 from __future__ import annotations
@@ -467,11 +467,11 @@ def moe_single(world_dir: Path) -> Results:
     return _run_world(1, "moe_single_rank", world_dir)[0]
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2pp2"])
 def moe_model_parallel(request: pytest.FixtureRequest, world_dir: Path) -> list[Results]:
-    """Results of the MoE TP=2 and PP=2 worlds, by rank."""
+    """Results of the MoE TP=2, PP=2 and TP=2 x PP=2 worlds, by rank."""
     tp, pp = request.param
-    return _run_world(2, "moe_model_parallel", world_dir, {"tensor_parallel": tp, "pipeline_parallel": pp})
+    return _run_world(tp * pp, "moe_model_parallel", world_dir, {"tensor_parallel": tp, "pipeline_parallel": pp})
 
 
 def _real(lengths: torch.Tensor, seq: int) -> torch.Tensor:
@@ -945,9 +945,10 @@ def test_moe_routing_rejects_dense_models_and_malformed_routings(moe_single: Res
 def test_moe_model_parallel_replays_and_trains_like_the_single_rank(
     moe_single: Results, moe_model_parallel: list[Results]
 ) -> None:
-    """TP=2 (sequence parallel) and PP=2 MoE start from the single rank's weights, route as it does, replay every
-    real token exactly and track its replayed log-probs, also on a batch of odd width (TP=2 pads it), and train
-    as it does: the same losses and grad norms (no expert gradient counted once per TP rank), the same weights."""
+    """TP=2 (sequence parallel), PP=2 and TP=2 x PP=2 MoE start from the single rank's weights, route as it does,
+    replay every real token exactly and track its replayed log-probs, also on a batch of odd width (TP=2 pads it),
+    and train as it does: the same losses and grad norms (no expert gradient counted once per TP rank), the same
+    weights."""
     real = _real(LENGTHS, INPUT_IDS.shape[1])
     odd_real = _real(LENGTHS.clamp(max=ODD_WIDTH), ODD_WIDTH)
     for rank in moe_model_parallel:
