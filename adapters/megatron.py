@@ -29,7 +29,12 @@ Invariants:
     without routes by the routers' scores.
 
 Wiring: TP splits heads, MLP and vocabulary (log-probs come from megatron's
-vocab-parallel cross entropy, all-reduced over TP); PP runs megatron's
+vocab-parallel cross entropy, all-reduced over TP); an MoE model under TP also
+splits the sequence between blocks (megatron's sequence parallelism, which its
+MoE layer needs to train under TP: :mod:`adapters.megatron_setup`), so each
+forward is padded to a multiple of TP, each TP rank's routers replay and report
+their slice of the sequence, and the ranks' slices are joined for
+:meth:`~MegatronGPTBackend.routing`; PP runs megatron's
 ``get_forward_backward_func()`` schedule (1F1B for training, ``forward_only``
 for log-probs) and broadcasts the last stage's result over the PP group; DP
 all-reduces (averages) gradients in megatron's DDP after the last micro-batch.
@@ -50,7 +55,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from functools import partial
 from typing import Any
 
 import torch
@@ -65,7 +69,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from adapters import megatron_routing as routing
 from adapters import megatron_setup as setup
 from adapters import megatron_weights as weights
-from adapters.megatron_batch import check_batch, logprobs_from_ce, stage_forward, to_device
+from adapters.megatron_batch import check_batch, logprobs_from_ce, padded_length, stage_forward, to_device
 from adapters.megatron_cpu import apply_cpu_shim, cpu_device_remap
 from adapters.megatron_generate import sample
 from adapters.model_port import Generation, LossFn, Metrics, MicroBatch, StateDict, TrainStepResult
@@ -150,11 +154,16 @@ class MegatronGPTBackend:
         self.device = torch.device(device)
         self.tensor_parallel = tp
         self.pipeline_parallel = pp
+        self._sequence_parallel = setup.sequence_parallel(config, tp)
         if device == "cpu":
             apply_cpu_shim()
         with self._device_scope():
             setup.init_parallel_state(tp, pp)
             self._tp_group = parallel_state.get_tensor_model_parallel_group()
+            self._sequence_shard: routing.SequenceShard = (
+                (parallel_state.get_tensor_model_parallel_rank(), tp) if self._sequence_parallel
+                else routing.WHOLE_SEQUENCE
+            )
             self._pp_group = parallel_state.get_pipeline_model_parallel_group()
             self._pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
             self._is_last_stage = parallel_state.is_pipeline_last_stage()
@@ -241,21 +250,29 @@ class MegatronGPTBackend:
         """megatron's forward(-backward) schedule over ``micro_batches``; the last stage's per-micro-batch store.
 
         ``routers`` are ``model``'s own: a micro-batch with ``routed_experts`` is replayed through them.
+        Under sequence parallelism each forward is padded to a multiple of TP; ``loss_func`` gets the last
+        stage's output cut back to the micro-batch's ``S`` positions.
         """
         batches: Iterator[dict[str, torch.Tensor]] = iter(micro_batches)
+        multiple = self._sequence_shard[1]
 
         def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], module: torch.nn.Module) -> Any:
             batch = next(data_iterator)
-            with routing.replaying(routers, batch.get("routed_experts"), batch["lengths"]):
-                output = stage_forward(module, batch)
-            return output, partial(loss_func, batch)
+            with routing.replaying(routers, batch.get("routed_experts"), batch["lengths"], self._sequence_shard):
+                output = stage_forward(module, batch, multiple)
+            seq = batch["input_ids"].shape[1]
+
+            def finish(out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                return loss_func(batch, out[:, :seq], *args, **kwargs)
+
+            return output, finish
 
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=batches,
             model=[model],
             num_microbatches=len(micro_batches),
-            seq_length=max(b["input_ids"].shape[1] for b in micro_batches),
+            seq_length=max(padded_length(b["input_ids"].shape[1], multiple) for b in micro_batches),
             micro_batch_size=max(b["input_ids"].shape[0] for b in micro_batches),
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
@@ -352,8 +369,9 @@ class MegatronGPTBackend:
 
         Read off each router's output (its routing map) by a forward hook, so it
         shows what megatron dispatched, also when ``routed_experts`` is replayed.
-        Collective over the replica; each stage reads its own layers, then the
-        stages exchange them.
+        Collective over the replica; each stage reads its own layers (under
+        sequence parallelism each TP rank its slice of the sequence, and the TP
+        ranks exchange them), then the stages exchange them.
 
         Returns:
             LongTensor[B, S, num_layers, topk] on CPU, each token's experts in
@@ -365,19 +383,27 @@ class MegatronGPTBackend:
         if not self.config.is_moe:
             raise ValueError("'routing' needs an MoE model (num_experts >= 2): got a dense model (num_experts = 0)")
         batch = self._checked_batch(input_ids, lengths, routed_experts, "")
-        rows = batch["input_ids"].shape[0]
+        rows, seq = batch["input_ids"].shape
         seen: dict[int, torch.Tensor] = {}
         was_training = self._policy.training
         self._policy.eval()
         try:
             with self._device_scope(), torch.no_grad():
-                with routing.observing(self._policy_routers, rows, seen):
+                with routing.observing(self._policy_routers, seen):
                     self._run(
                         self._policy, [batch], lambda mb, out, non_loss_data=False: None,
                         forward_only=True, routers=self._policy_routers,
                     )
+                shards: list[Any] = [seen]
+                if self._sequence_parallel:
+                    shards = [None] * self.tensor_parallel
+                    dist.all_gather_object(shards, seen, group=self._tp_group)
+                stage = {
+                    layer: routing.merge_sequence_shards([shard[layer] for shard in shards], rows, seq)
+                    for layer in seen
+                }
                 stages: list[Any] = [None] * self.pipeline_parallel
-                dist.all_gather_object(stages, seen, group=self._pp_group)
+                dist.all_gather_object(stages, stage, group=self._pp_group)
         finally:
             self._policy.train(was_training)
         layers: dict[int, torch.Tensor] = {}
@@ -485,16 +511,8 @@ class MegatronGPTBackend:
             TypeError: ``micro_batches`` is not a non-empty sequence of mappings,
                 or ``loss_fn`` returns something other than (scalar tensor, mapping).
             ValueError: a micro-batch lacks ``input_ids`` or ``lengths`` or has
-                out-of-range values or a bad ``routed_experts`` (as :meth:`logprobs`),
-                or the model is MoE and tensor-parallel (megatron needs sequence
-                parallelism to train MoE under TP; log-probs, routing and replay
-                work under TP).
+                out-of-range values or a bad ``routed_experts`` (as :meth:`logprobs`).
         """
-        if self.config.is_moe and self.tensor_parallel > 1:
-            raise ValueError(
-                "'train_step' of an MoE model needs tensor_parallel = 1 (megatron trains MoE under TP only with "
-                f"sequence parallelism, which this backend does not set up): got {self.tensor_parallel}"
-            )
         if isinstance(micro_batches, Mapping) or not isinstance(micro_batches, Sequence) or not micro_batches:
             raise TypeError(
                 f"'micro_batches' must be a non-empty list of dicts: got {type(micro_batches).__name__}"

@@ -4,13 +4,17 @@ A batch is right-padded rows of token ids with one length per row.
 :func:`check_batch` accepts it only when it fits the model's shape;
 :func:`stage_forward` runs one pipeline stage on it with the inputs shifted
 left as labels, and :func:`logprobs_from_ce` turns the last stage's
-next-token cross entropy into per-token log-probs.
+next-token cross entropy into per-token log-probs. Under sequence parallelism
+a forward's length must be a multiple of TP: :func:`stage_forward` pads the
+batch on the right to :func:`padded_length`, and the caller keeps the first
+``S`` positions of the last stage's output.
 
 Invariants: a batch :func:`check_batch` accepts has at least one row, at most
 ``max_sequence_length`` positions, every token in ``[0, vocab_size)`` and
 every length in ``[1, S]``; :func:`logprobs_from_ce` holds ``log p(x_t |
 x_<t)`` at position ``t`` for ``1 <= t < length`` and 0 elsewhere, so padding
-never changes a row's log-probs (attention is causal).
+(a row's own or :func:`stage_forward`'s) never changes a row's log-probs
+(attention is causal, and no MoE token is dropped).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from adapters.model_port import MicroBatch
 from core.model_config import TinyGPTConfig
 
-__all__ = ["check_batch", "logprobs_from_ce", "stage_forward", "to_device"]
+__all__ = ["check_batch", "logprobs_from_ce", "padded_length", "stage_forward", "to_device"]
 
 
 def check_batch(
@@ -72,15 +76,28 @@ def to_device(micro_batch: MicroBatch, device: torch.device) -> dict[str, torch.
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in micro_batch.items()}
 
 
-def stage_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Stage output: hidden states, or on the last stage per-token cross entropy ``[B, S]``.
+def padded_length(seq: int, multiple: int) -> int:
+    """The least multiple of ``multiple`` that is at least ``seq`` (a forward's length under sequence parallelism)."""
+    return -(-seq // multiple) * multiple
+
+
+def stage_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], multiple: int = 1) -> torch.Tensor:
+    """Stage output: hidden states, or on the last stage per-token cross entropy ``[B, padded_length(S, multiple)]``.
 
     Labels are the inputs shifted left, so ``out[:, t]`` is ``-log p(x_{t+1} | x_<=t)``;
     the wrapped-around last label only touches ``out[:, -1]``, which is dropped.
+    With ``multiple > 1`` the batch is padded on the right to
+    :func:`padded_length` with token 0 at position 0 and label 0 (position 0 is
+    valid whatever ``max_sequence_length``); causal attention keeps those
+    positions out of ``out[:, :S]``, the part the caller keeps.
     """
     input_ids = batch["input_ids"]
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    seq = input_ids.shape[1]
+    positions = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
     labels = torch.roll(input_ids, shifts=-1, dims=1)
+    pad = padded_length(seq, multiple) - seq
+    if pad:
+        input_ids, positions, labels = (torch.nn.functional.pad(t, (0, pad)) for t in (input_ids, positions, labels))
     return model(input_ids, positions, None, labels=labels)
 
 

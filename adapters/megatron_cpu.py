@@ -36,6 +36,16 @@ CPU-only torch raises on each of those. The shim makes them run on CPU:
    Transformer Engine is absent: the router's gating reads that name, which
    megatron only defines when Transformer Engine imports, and ``None`` selects
    its plain ``torch.mm`` path.
+7. The backward of every custom autograd ``Function`` runs under a fresh
+   remap (patch 2): ``BackwardCFunction.apply`` and ``apply_boxed`` enter a
+   :class:`CudaToCpu` around the user's backward. ``torch.autograd.backward``
+   is itself a torch function, and torch runs a mode's handler with that mode
+   popped off the stack, so the whole backward pass runs without the remap
+   (the thread's remap count still says it is active). megatron's
+   tensor-parallel ``Function`` objects allocate in backward with
+   ``device=torch.cuda.current_device()`` (the sequence-parallel linear
+   layers' gather and reduce-scatter buffers, the MoE dispatcher's
+   collectives); without this they would ask for CUDA device 0.
 
 Gradient clipping stays off (``clip_grad=0.0``): the backend computes the grad
 norm itself with megatron's ``get_grad_norm``, which runs under the remap.
@@ -59,6 +69,7 @@ from typing import Any
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.moe import moe_utils
+from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["CpuStream", "CudaToCpu", "apply_cpu_shim", "cpu_device_remap", "cpu_shim_applied"]
@@ -181,6 +192,18 @@ class CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _remapped_backward(apply: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch 7: ``apply`` (a ``BackwardCFunction`` method, which runs a custom ``Function``'s backward) under a
+    fresh :class:`CudaToCpu`, whatever the thread's remap count says (the backward pass runs with it popped)."""
+
+    def remapped(self: Any, *args: Any) -> Any:
+        with CudaToCpu():
+            return apply(self, *args)
+
+    remapped.__wrapped__ = apply  # type: ignore[attr-defined]
+    return remapped
+
+
 def cpu_device_remap() -> AbstractContextManager[Any]:
     """Patch 2 on the calling thread: a new :class:`CudaToCpu` where none is active here, else a no-op."""
     return contextlib.nullcontext() if CudaToCpu.active_here() else CudaToCpu()
@@ -192,7 +215,7 @@ def cpu_shim_applied() -> bool:
 
 
 def apply_cpu_shim() -> None:
-    """Patch torch and megatron-core so megatron's training path runs on CPU (patches 1 to 6 above).
+    """Patch torch and megatron-core so megatron's training path runs on CPU (patches 1 to 7 above).
 
     Idempotent: a second call returns without changing anything. Call it in a CPU
     worker process before building a megatron model; never on a GPU worker.
@@ -211,6 +234,8 @@ def apply_cpu_shim() -> None:
     torch.cuda.stream = _cpu_stream_context  # type: ignore[assignment]
     if not moe_utils.HAVE_TE:
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+    BackwardCFunction.apply = _remapped_backward(BackwardCFunction.apply)  # type: ignore[method-assign]
+    BackwardCFunction.apply_boxed = _remapped_backward(BackwardCFunction.apply_boxed)  # type: ignore[method-assign]
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     # Pushed for the rest of this thread on purpose: megatron allocates on CUDA from
     # many call sites, and a CPU worker has no CUDA work that the remap could hide.

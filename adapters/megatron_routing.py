@@ -17,7 +17,13 @@ Token order, checked by the tests against a forward of each row alone:
 megatron's hidden states are ``[S, B, H]`` and a router flattens them to
 ``[S * B, H]``, so token ``(b, t)`` is row ``t * B + b`` of a router's indices
 (sequence-major). :func:`to_router_order` and :func:`from_router_order` map
-between the two.
+between the two. Under sequence parallelism (an MoE model under TP, see
+:mod:`adapters.megatron_setup`) the forward is padded to a length ``S'``, a
+multiple of TP, and TP rank ``r`` holds positions ``[r * S' / TP, (r + 1) *
+S' / TP)``; sequence-major order makes its router's tokens the ``r``-th of TP
+equal, contiguous blocks of the ``[S' * B]`` rows: a :data:`SequenceShard`
+``(r, TP)`` selects that block for replay, and :func:`merge_sequence_shards`
+joins the TP ranks' blocks back.
 
 Invariants: replaying a routing makes every real token go to exactly its
 given experts, in every layer of this pipeline stage; padding positions are
@@ -37,16 +43,23 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from adapters.megatron_batch import padded_length
 from core.model_config import TinyGPTConfig
 from core.routing import NO_ROUTE, check_routing, pad_routing_for_replay
 
 __all__ = [
-    "LayerRouter", "check_routed_experts", "from_router_order", "layer_routers", "observing",
-    "padded", "recording", "replaying", "to_router_order",
+    "WHOLE_SEQUENCE", "LayerRouter", "SequenceShard", "check_routed_experts", "from_router_order", "layer_routers",
+    "merge_sequence_shards", "observing", "padded", "ready_for_replay", "recording", "replaying", "to_router_order",
 ]
 
 LayerRouter = tuple[int, torch.nn.Module]
 """(global layer index, the layer's megatron router module, whose ``router_replay`` is its ``RouterReplay``)."""
+
+SequenceShard = tuple[int, int]
+"""(this rank's index, the number of ranks) of the sequence split under sequence parallelism: (TP rank, TP)."""
+
+WHOLE_SEQUENCE: SequenceShard = (0, 1)
+"""No sequence split: the router sees every token of the forward."""
 
 
 def layer_routers(model: torch.nn.Module) -> list[LayerRouter]:
@@ -106,18 +119,44 @@ def padded(experts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.where(real.view(*real.shape, *([1] * (experts.dim() - 2))), experts, NO_ROUTE)
 
 
-def to_router_order(routed: torch.Tensor, layer: int) -> torch.Tensor:
-    """Layer ``layer``'s experts ``[S * B, topk]`` of a routing padded for replay (no -1 left), in a router's
-    token order (row ``t * B + b``)."""
-    experts = routed[:, :, layer, :]  # [B, S, K]
-    batch, seq, topk = experts.shape
-    return experts.transpose(0, 1).reshape(seq * batch, topk).contiguous()
+def ready_for_replay(routed: torch.Tensor, lengths: torch.Tensor, shards: int = 1) -> torch.Tensor:
+    """``routed`` ``[B, S, L, K]`` widened to ``padded_length(S, shards)`` positions, with every position past a
+    row's length routed to experts ``0 .. topk - 1`` (:func:`core.routing.pad_routing_for_replay`), on
+    ``routed``'s device: what :func:`to_router_order` slices."""
+    seq = routed.shape[1]
+    extended = torch.nn.functional.pad(routed.cpu(), (0, 0, 0, 0, 0, padded_length(seq, shards) - seq), value=NO_ROUTE)
+    return pad_routing_for_replay(extended, lengths.cpu()).to(routed.device)
+
+
+def to_router_order(ready: torch.Tensor, layer: int, shard: SequenceShard = WHOLE_SEQUENCE) -> torch.Tensor:
+    """Layer ``layer``'s experts of a routing ready for replay, in a router's token order (row ``t * B + b``).
+
+    ``ready`` is ``[B, S', num_layers, topk]`` with a valid route at every position (no -1), ``S'`` a
+    multiple of the shard count: :func:`ready_for_replay`. With ``shard = (r, n)`` the result is rows
+    ``[r * S' * B / n, (r + 1) * S' * B / n)`` of the ``[S' * B, topk]`` order: the tokens of
+    sequence-parallel rank ``r``. The whole sequence (``n = 1``): ``[S' * B, topk]``.
+    """
+    index, count = shard
+    experts = ready[:, :, layer, :]  # [B, S', K]
+    batch, width, topk = experts.shape
+    if width % count:
+        raise ValueError(f"'ready' must have a multiple of {count} positions (the shard count): got {width}")
+    return experts.transpose(0, 1).reshape(width * batch, topk).chunk(count)[index].contiguous()
 
 
 def from_router_order(indices: torch.Tensor, batch: int) -> torch.Tensor:
     """A router's per-token experts ``[S * B, topk]`` as ``[B, S, topk]``, each token's experts in ascending order."""
     tokens, topk = indices.shape
     return indices.reshape(tokens // batch, batch, topk).transpose(0, 1).sort(dim=-1).values.to(torch.long)
+
+
+def merge_sequence_shards(shards: Sequence[torch.Tensor], batch: int, seq: int) -> torch.Tensor:
+    """The ``[B, seq, topk]`` experts of a forward whose routers' tokens (``[tokens, topk]`` each, in router
+    order) are ``shards``, by sequence-parallel rank; the forward's padding past ``seq`` is dropped.
+
+    The inverse of :func:`to_router_order` over the ranks: one shard is the whole sequence.
+    """
+    return from_router_order(torch.cat(list(shards)), batch)[:, :seq]
 
 
 def _reset(routers: Sequence[LayerRouter]) -> None:
@@ -127,20 +166,25 @@ def _reset(routers: Sequence[LayerRouter]) -> None:
 
 
 @contextlib.contextmanager
-def replaying(routers: Sequence[LayerRouter], routed: torch.Tensor | None, lengths: torch.Tensor) -> Iterator[None]:
+def replaying(
+    routers: Sequence[LayerRouter],
+    routed: torch.Tensor | None,
+    lengths: torch.Tensor,
+    shard: SequenceShard = WHOLE_SEQUENCE,
+) -> Iterator[None]:
     """Within: each of ``routers`` routes the next forward's tokens by ``routed`` (REPLAY_FORWARD); None: by scores.
 
     ``routed`` is a checked full-model routing ``[B, S, num_layers, topk]`` on the model's device; each router
-    takes its own global layer's slice. The models here do not recompute activations in backward, so the
+    takes its own global layer's slice, and under sequence parallelism this rank's ``shard`` of the sequence
+    (:func:`to_router_order`). The models here do not recompute activations in backward, so the
     forward's replay is the only one (REPLAY_BACKWARD is never reached).
     """
     _reset(routers)
     try:
         if routed is not None:
-            # Padding routed to experts 0 .. topk - 1 (core.routing.pad_routing_for_replay), once for every layer.
-            ready = pad_routing_for_replay(routed.cpu(), lengths.cpu()).to(routed.device)
+            ready = ready_for_replay(routed, lengths, shard[1])  # once for every layer
             for layer, router in routers:
-                router.router_replay.set_target_indices(to_router_order(ready, layer))
+                router.router_replay.set_target_indices(to_router_order(ready, layer, shard))
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         yield
     finally:
@@ -151,7 +195,8 @@ def replaying(routers: Sequence[LayerRouter], routed: torch.Tensor | None, lengt
 def recording(routers: Sequence[LayerRouter], batch: int, out: dict[int, torch.Tensor]) -> Iterator[None]:
     """Within: the routers choose by score and record (RECORD); on exit ``out[layer]`` is that layer's ``[B, S, topk]``.
 
-    Records the last forward run within (each forward overwrites a router's record).
+    Records the last forward run within (each forward overwrites a router's record). For a model that is
+    not sequence-parallel (the rollout's, one rank): each router then sees every token.
     """
     _reset(routers)
     try:
@@ -168,17 +213,17 @@ def recording(routers: Sequence[LayerRouter], batch: int, out: dict[int, torch.T
 
 
 @contextlib.contextmanager
-def observing(routers: Sequence[LayerRouter], batch: int, out: dict[int, torch.Tensor]) -> Iterator[None]:
+def observing(routers: Sequence[LayerRouter], out: dict[int, torch.Tensor]) -> Iterator[None]:
     """Within: each router's routing map (the experts its tokens were dispatched to) lands in ``out[layer]``
-    as ``[B, S, topk]``, whether the router chose by score or replayed; read by a forward hook, so it
-    observes what megatron dispatched, not what ``RouterReplay`` was told."""
+    as ``[tokens, topk]`` in router order (this rank's tokens under sequence parallelism: join the ranks'
+    with :func:`merge_sequence_shards`), whether the router chose by score or replayed; read by a forward
+    hook, so it observes what megatron dispatched, not what ``RouterReplay`` was told."""
 
     def hook(layer: int) -> Any:
         def read(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
-            routing_map = output[1].detach().cpu()  # [S * B, E] bool, topk True per token
+            routing_map = output[1].detach().cpu()  # [tokens, E] bool, topk True per token
             tokens, experts = routing_map.shape
-            ids = torch.arange(experts).expand(tokens, experts)[routing_map].view(tokens, -1)
-            out[layer] = from_router_order(ids, batch)
+            out[layer] = torch.arange(experts).expand(tokens, experts)[routing_map].view(tokens, -1)
 
         return read
 

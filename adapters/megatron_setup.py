@@ -11,7 +11,16 @@ spec, one ``SequentialMLP`` of per-expert MLPs, no grouped GEMM) with
 ``moe_topk`` experts per token, megatron's softmax top-k router, no aux loss,
 no capacity (no token is dropped), expert parallel 1 (experts are split over
 TP like a dense MLP), and ``moe_enable_routing_replay`` on, so each router owns
-a ``RouterReplay`` (:mod:`adapters.megatron_routing` drives it). Linear layers
+a ``RouterReplay`` (:mod:`adapters.megatron_routing` drives it). Under TP an
+MoE model runs with megatron's sequence parallelism (:func:`sequence_parallel`).
+megatron refuses to train an MoE layer under TP without it, and rightly: its
+token dispatcher gathers the tokens of every TP rank for the experts, so
+without it every TP rank would send the same tokens, and each expert's
+gradient would count every token TP times. The sequence dimension is then
+split over the TP ranks between the attention and MLP blocks, so a forward's
+length must be a multiple of TP (the backend pads it, :mod:`adapters.megatron_batch`),
+and every layer norm is :class:`SequenceParallelLayerNorm` (megatron's local
+spec has no sequence-parallel norm without Apex). Linear layers
 have no bias (``add_bias_linear=False``): megatron's expert MLP adds its bias
 in place on an autograd view, which autograd rejects. The token dispatcher is
 ``alltoall`` for dense and MoE alike: it is the one megatron allows with
@@ -32,18 +41,22 @@ from the same recipe, so the policy and its reference differ only in weights;
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from core.model_config import TinyGPTConfig
 
 __all__ = [
-    "ORDER", "build_gpt", "check_divides", "init_parallel_state", "int_arg", "parallel_coords", "transformer_config",
+    "ORDER", "SequenceParallelLayerNorm", "build_gpt", "check_divides", "init_parallel_state", "int_arg",
+    "parallel_coords", "sequence_parallel", "transformer_config",
 ]
 
 ORDER = "tp-cp-ep-dp-pp"
@@ -94,8 +107,36 @@ def parallel_coords() -> dict[str, int]:
     }
 
 
+def sequence_parallel(config: TinyGPTConfig, tp: int) -> bool:
+    """Whether the model runs with megatron's sequence parallelism: an MoE model under TP (a dense model never)."""
+    return config.is_moe and tp > 1
+
+
+class SequenceParallelLayerNorm:
+    """A ``torch.nn.LayerNorm`` whose parameters carry megatron's ``sequence_parallel`` flag (a module class for specs).
+
+    Under sequence parallelism each TP rank normalises its own slice of the
+    sequence with the same (replicated) weights, so each rank's weight
+    gradient is a partial sum; megatron's ``finalize_model_grads`` sums the
+    gradients of flagged parameters over TP. The arithmetic is the layer norm
+    of megatron's local spec (``WrappedTorchNorm``, which refuses sequence
+    parallelism), and the parameter names are the same.
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.LayerNorm:
+        if config.normalization != "LayerNorm":
+            raise ValueError(f"'normalization' must be 'LayerNorm': got {config.normalization!r}")
+        norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        for parameter in norm.parameters():
+            parameter.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+        return norm
+
+
 def transformer_config(config: TinyGPTConfig, tp: int, pp: int) -> TransformerConfig:
-    """megatron's config for one model; the policy's also carries its DDP hooks, so each model gets its own."""
+    """megatron's config for one model; the policy's also carries its DDP hooks, so each model gets its own.
+
+    A dense model's config does not depend on :func:`sequence_parallel` (it is off).
+    """
     moe: dict[str, Any] = {}
     if config.is_moe:
         moe = {
@@ -106,6 +147,8 @@ def transformer_config(config: TinyGPTConfig, tp: int, pp: int) -> TransformerCo
             "moe_enable_routing_replay": True,
             "add_bias_linear": False,
         }
+        if sequence_parallel(config, tp):
+            moe["sequence_parallel"] = True
     return TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
@@ -127,13 +170,29 @@ def transformer_config(config: TinyGPTConfig, tp: int, pp: int) -> TransformerCo
     )
 
 
+def _layer_spec(config: TinyGPTConfig, megatron_config: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
+    """megatron's local layer spec; under sequence parallelism, this stage's block of it with every norm
+    a :class:`SequenceParallelLayerNorm` (the block spec names the final norm too)."""
+    spec = get_gpt_layer_local_spec(num_experts=config.num_experts if config.is_moe else None, moe_grouped_gemm=False)
+    if not megatron_config.sequence_parallel:
+        return spec
+    layer = dataclasses.replace(
+        spec,
+        submodules=dataclasses.replace(
+            spec.submodules, input_layernorm=SequenceParallelLayerNorm, pre_mlp_layernorm=SequenceParallelLayerNorm
+        ),
+    )
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(megatron_config), layer_norm=SequenceParallelLayerNorm
+    )
+
+
 def build_gpt(config: TinyGPTConfig, tp: int, pp: int, device: torch.device) -> GPTModel:
     """This rank's stage of a fresh GPT (its own :func:`transformer_config`), on ``device``."""
+    megatron_config = transformer_config(config, tp, pp)
     model = GPTModel(
-        config=transformer_config(config, tp, pp),
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            num_experts=config.num_experts if config.is_moe else None, moe_grouped_gemm=False
-        ),
+        config=megatron_config,
+        transformer_layer_spec=_layer_spec(config, megatron_config),
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_sequence_length,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -285,7 +285,7 @@ class ModelSection:
     num_attention_heads: int = _key("attention heads", _at_least(1))
     max_sequence_length: int = _key("positions of the model (the longest row must fit)", _at_least(1))
     num_experts: int = _key(
-        "experts of each layer's MoE MLP (0: a dense MLP); no expert parallelism: every rank holds every expert; MoE needs policy.layout.tensor_parallel=1",
+        "experts of each layer's MoE MLP (0: a dense MLP); no expert parallelism: every rank holds every expert; under TP an MoE model runs sequence parallel",
         _dense_or_experts,
     )
     moe_topk: int = _key("experts routed per token, in [1, num_experts] (MoE only; unused when dense)", _at_least(1))
@@ -331,12 +331,6 @@ class PolicySection:
             raise ConfigError("policy.layout.tensor_parallel", f"must divide policy.model.num_attention_heads ({heads}): got {tp}")
         if layers % pp:
             raise ConfigError("policy.layout.pipeline_parallel", f"must divide policy.model.num_layers ({layers}): got {pp}")
-        if self.model.num_experts and tp > 1:
-            raise ConfigError(
-                "policy.layout.tensor_parallel",
-                f"must be 1 for an MoE model (policy.model.num_experts = {self.model.num_experts}; MoE training under "
-                f"TP needs sequence parallelism, not supported yet): got {tp}",
-            )
         if self.router_replay == RouterReplayMode.r3 and not self.model.num_experts:
             raise ConfigError(
                 "policy.router_replay",

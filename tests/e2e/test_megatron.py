@@ -10,8 +10,9 @@ on its own micro-batch) must reach the single rank's state after one step on
 both.
 
 The MoE worlds (``MOE_CONFIG``) check routing record and replay: one rank
-against itself (token order, replay, padding, bf16 rollouts), and TP=2 and
-PP=2 against the single MoE rank.
+against itself (token order, replay, padding, bf16 rollouts), and TP=2 (with
+sequence parallelism, on batches of odd and even width), PP=2 and TP=2 x PP=2
+(sequence-parallel stages) against the single MoE rank.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from adapters.megatron import MegatronGPTBackend
+from adapters.megatron_batch import padded_length
 from adapters.megatron_cpu import apply_cpu_shim, cpu_shim_applied
+from adapters.megatron_routing import merge_sequence_shards, ready_for_replay, to_router_order
+from adapters.megatron_setup import SequenceParallelLayerNorm, transformer_config
 from adapters.model_port import Generation, MicroBatch, PolicyBackend
 from core.model_config import TinyGPTConfig
+from core.routing import pad_routing_for_replay
 from core.topology import NamedSharding
 
 pytestmark = pytest.mark.e2e
@@ -71,8 +76,10 @@ def _random_routing(rows: int, seq: int, lengths: torch.Tensor, seed: int) -> to
 MOE_REPLAYED = _random_routing(*INPUT_IDS.shape, LENGTHS, seed=5)
 MOE_MICRO_BATCHES: list[dict[str, torch.Tensor]] = [
     {**MICRO_BATCHES[0], "routed_experts": MOE_REPLAYED[:2]},
-    {**MICRO_BATCHES[1], "routed_experts": MOE_REPLAYED[2:, :10]},
+    # An odd width on purpose: TP=2 (sequence parallel) pads the forward to 12.
+    {"input_ids": INPUT_IDS[2:, :11], "lengths": LENGTHS[2:], "routed_experts": MOE_REPLAYED[2:, :11]},
 ]
+ODD_WIDTH = 11
 
 
 def _loss_fn(logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -100,6 +107,18 @@ def _reference_entropy(backend: MegatronGPTBackend, generation: Generation, voca
     return torch.tensor(sums, dtype=torch.float64)
 
 
+class _AllocatesOnCudaInBackward(torch.autograd.Function):
+    """Doubles its input; its backward allocates as megatron's tensor-parallel Functions do (``device=`` the CUDA index)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return torch.empty(grad.shape, device=torch.cuda.current_device()).copy_(grad * 2)
+
+
 def _capture(call: Callable[[], object]) -> BaseException | None:
     """The exception ``call`` raises, or None; sent back so the parent can re-raise it under ``pytest.raises``."""
     try:
@@ -125,6 +144,9 @@ def _single_rank(rank: int, inputs: Results) -> Results:
     out["shim_depth_change"] = torch._C._len_torch_function_stack() - depth
     out["shim_cuda_tensor_device"] = torch.zeros(1, device="cuda").device
     out["shim_current_device"] = torch.cuda.current_device()
+    x = torch.ones(3, requires_grad=True)
+    torch.autograd.backward(_AllocatesOnCudaInBackward.apply(x).sum())
+    out["shim_backward_grad"] = x.grad
 
     backend = _backend()
     out["logprobs"] = backend.logprobs(INPUT_IDS, LENGTHS)
@@ -317,9 +339,10 @@ def _moe_model_parallel(rank: int, inputs: Results) -> Results:
         "batch_replayed_observed": backend.routing(INPUT_IDS, LENGTHS, MOE_REPLAYED),
         "batch_replayed_logprobs": backend.logprobs(INPUT_IDS, LENGTHS, MOE_REPLAYED),
     }
-    if inputs["tensor_parallel"] > 1:
-        out["train_error"] = _capture(lambda: backend.train_step(MOE_MICRO_BATCHES, _loss_fn))
-        return out
+    odd_ids, odd_lengths = INPUT_IDS[:, :ODD_WIDTH], LENGTHS.clamp(max=ODD_WIDTH)
+    out["odd_routing"] = backend.routing(odd_ids, odd_lengths)
+    out["odd_replayed_observed"] = backend.routing(odd_ids, odd_lengths, MOE_REPLAYED[:, :ODD_WIDTH])
+    out["odd_replayed_logprobs"] = backend.logprobs(odd_ids, odd_lengths, MOE_REPLAYED[:, :ODD_WIDTH])
     out["steps"] = [backend.train_step(MOE_MICRO_BATCHES, _loss_fn) for _ in range(MOE_STEPS)]
     out["trained_state"] = backend.state_dict()
     return out
@@ -444,11 +467,11 @@ def moe_single(world_dir: Path) -> Results:
     return _run_world(1, "moe_single_rank", world_dir)[0]
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2pp2"])
 def moe_model_parallel(request: pytest.FixtureRequest, world_dir: Path) -> list[Results]:
-    """Results of the MoE TP=2 and PP=2 worlds, by rank."""
+    """Results of the MoE TP=2, PP=2 and TP=2 x PP=2 worlds, by rank."""
     tp, pp = request.param
-    return _run_world(2, "moe_model_parallel", world_dir, {"tensor_parallel": tp, "pipeline_parallel": pp})
+    return _run_world(tp * pp, "moe_model_parallel", world_dir, {"tensor_parallel": tp, "pipeline_parallel": pp})
 
 
 def _real(lengths: torch.Tensor, seq: int) -> torch.Tensor:
@@ -517,15 +540,63 @@ def test_backend_requires_initialised_process_group() -> None:
     assert not cpu_shim_applied(), "a refused backend must not have patched this process"
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_to_router_order_shards_the_padded_sequence_and_merge_sequence_shards_joins_them(ranks: int) -> None:
+    """Sequence-parallel rank r replays rows t * B + b of positions [r * S'/n, (r + 1) * S'/n) of the routing padded
+    to S' = padded_length(S, n) (padding as experts 0 .. topk - 1); merging the n shards gives the routing back."""
+    routed, lengths = MOE_REPLAYED[:, :ODD_WIDTH], LENGTHS.clamp(max=ODD_WIDTH)
+    rows, topk = routed.shape[0], MOE_CONFIG.moe_topk
+    replayed = pad_routing_for_replay(routed, lengths)
+    per_rank = padded_length(ODD_WIDTH, ranks) // ranks
+    for layer in range(MOE_CONFIG.num_layers):
+        shards = [to_router_order(ready_for_replay(routed, lengths, ranks), layer, (r, ranks)) for r in range(ranks)]
+        for r, shard in enumerate(shards):
+            assert shard.shape == (per_rank * rows, topk)
+            for t in range(per_rank):
+                position = r * per_rank + t
+                expected = replayed[:, position, layer] if position < ODD_WIDTH else torch.arange(topk).expand(rows, -1)
+                assert torch.equal(shard[t * rows : (t + 1) * rows], expected), (r, t)
+        assert torch.equal(merge_sequence_shards(shards, rows, ODD_WIDTH), replayed[:, :, layer])
+
+
+# megatron-core 0.16.1 warns on building any TransformerConfig (its default cuda_graph_scope) and an MoE one.
+_CONFIG_WARNINGS = (
+    "ignore:full scope is deprecated:UserWarning",
+    "ignore:moe_ffn_hidden_size is not set:UserWarning",
+)
+
+
+@pytest.mark.filterwarnings(*_CONFIG_WARNINGS)
+def test_transformer_config_is_sequence_parallel_only_for_moe_under_tensor_parallel() -> None:
+    """An MoE model under TP runs sequence parallel; a dense model (any TP) and an MoE model without TP do not."""
+    assert transformer_config(MOE_CONFIG, 2, 1).sequence_parallel
+    assert not transformer_config(MOE_CONFIG, 1, 2).sequence_parallel
+    assert not transformer_config(CONFIG, 2, 1).sequence_parallel
+
+
+@pytest.mark.filterwarnings(*_CONFIG_WARNINGS)
+def test_sequence_parallel_layer_norm_flags_its_parameters_and_rejects_rms_norm() -> None:
+    """The norm is torch's LayerNorm with both parameters flagged for megatron's TP gradient sum; RMSNorm is refused."""
+    config = transformer_config(MOE_CONFIG, 2, 1)
+    norm = SequenceParallelLayerNorm(config, MOE_CONFIG.hidden_size, eps=1e-5)
+    assert type(norm) is torch.nn.LayerNorm and norm.normalized_shape == (MOE_CONFIG.hidden_size,)
+    assert [getattr(p, "sequence_parallel", None) for p in norm.parameters()] == [True, True]
+    config.normalization = "RMSNorm"
+    with pytest.raises(ValueError, match=r"'normalization' must be 'LayerNorm': got 'RMSNorm'"):
+        SequenceParallelLayerNorm(config, MOE_CONFIG.hidden_size)
+
+
 # -- single rank ---------------------------------------------------------------------------------------
 
 
 def test_apply_cpu_shim_is_idempotent_and_maps_cuda_to_cpu(single: Results) -> None:
-    """The shim is off until applied; a second call pushes nothing more; CUDA allocations land on CPU."""
+    """The shim is off until applied; a second call pushes nothing more; CUDA allocations land on CPU, also inside
+    a custom autograd Function's backward."""
     assert single["shim_before"] is False
     assert single["shim_depth_change"] == 0
     assert single["shim_cuda_tensor_device"] == torch.device("cpu")
     assert single["shim_current_device"] == 0
+    assert torch.equal(single["shim_backward_grad"], torch.full((3,), 2.0))  # allocated on CPU inside backward
 
 
 def test_logprobs_shape_sign_and_zero_convention(single: Results) -> None:
@@ -874,19 +945,25 @@ def test_moe_routing_rejects_dense_models_and_malformed_routings(moe_single: Res
 def test_moe_model_parallel_replays_and_trains_like_the_single_rank(
     moe_single: Results, moe_model_parallel: list[Results]
 ) -> None:
-    """TP=2 and PP=2 MoE start from the single rank's weights, route as it does, replay every real token exactly
-    and track its replayed log-probs; PP=2 also trains as it does, TP=2 refuses to train (no sequence parallel)."""
+    """TP=2 (sequence parallel), PP=2 and TP=2 x PP=2 MoE start from the single rank's weights, route as it does,
+    replay every real token exactly and track its replayed log-probs, also on a batch of odd width (TP=2 pads it),
+    and train as it does: the same losses and grad norms (no expert gradient counted once per TP rank), the same
+    weights."""
     real = _real(LENGTHS, INPUT_IDS.shape[1])
+    odd_real = _real(LENGTHS.clamp(max=ODD_WIDTH), ODD_WIDTH)
     for rank in moe_model_parallel:
         assert _states_equal(rank["initial_state"], moe_single["initial_state"])
         assert torch.equal(rank["batch_routing"], moe_single["batch_routing"])
         assert torch.equal(rank["batch_replayed_observed"][real], MOE_REPLAYED[real])
         assert bool((rank["batch_replayed_observed"][~real] == -1).all())
         assert torch.allclose(rank["batch_replayed_logprobs"], moe_single["batch_replayed_logprobs"], rtol=0.0, atol=1e-5)
-        if "train_error" in rank:
-            with pytest.raises(ValueError, match=r"'train_step' of an MoE model needs tensor_parallel = 1 .*: got 2"):
-                _reraise(rank["train_error"])
-            continue
+        assert rank["odd_routing"].shape == (*INPUT_IDS[:, :ODD_WIDTH].shape, MOE_CONFIG.num_layers, MOE_CONFIG.moe_topk)
+        assert torch.equal(rank["odd_routing"][odd_real], moe_single["batch_routing"][:, :ODD_WIDTH][odd_real])
+        assert bool((rank["odd_routing"][~odd_real] == -1).all())
+        assert torch.equal(rank["odd_replayed_observed"][odd_real], MOE_REPLAYED[:, :ODD_WIDTH][odd_real])
+        assert torch.allclose(
+            rank["odd_replayed_logprobs"], moe_single["batch_replayed_logprobs"][:, :ODD_WIDTH], rtol=0.0, atol=1e-5
+        )
         assert _losses(rank["steps"]) == pytest.approx(_losses(moe_single["steps"]), rel=1e-5)
         assert _grad_norms(rank["steps"]) == pytest.approx(_grad_norms(moe_single["steps"]), rel=1e-4)
         assert _states_close(rank["trained_state"], moe_single["trained_state"], atol=1e-4)

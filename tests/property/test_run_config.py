@@ -469,21 +469,26 @@ MOE_RELATIONS = [
     (["policy.model.num_experts=4", "policy.model.moe_topk=5"], "policy.model.moe_topk",
      "must be in [1, policy.model.num_experts (4)]: got 5"),
     (["policy.model.num_experts=8", "policy.model.moe_topk=0"], "policy.model.moe_topk", "must be >= 1: got 0"),
-    (["policy.model.num_experts=4", "policy.layout.tensor_parallel=2"], "policy.layout.tensor_parallel",
-     "must be 1 for an MoE model (policy.model.num_experts = 4; MoE training under TP needs sequence parallelism, "
-     "not supported yet): got 2"),
 ]
 
 
 @pytest.mark.parametrize(("overrides", "key", "message"), MOE_RELATIONS, ids=[" ".join(o) for o, _, _ in MOE_RELATIONS])
 def test_load_run_config_rejects_moe_relations(overrides: list[str], key: str, message: str) -> None:
-    """R3 on a dense model, one expert, a top-k above the experts, or MoE under TP is a ConfigError naming the key,
-    expected and got."""
+    """R3 on a dense model, one expert or a top-k above the experts is a ConfigError naming the key, expected and
+    got."""
     with _raises_naming(key) as info:
         load_run_config(overrides)
     assert (info.value.key, info.value.message) == (key, message)
     with _raises_naming(key):
         run_config_from_dict(_with(load_run_config(), overrides))
+
+
+def test_load_run_config_accepts_an_moe_model_under_tensor_parallel() -> None:
+    """An MoE model loads under TP=2 (it trains with sequence parallelism), with R3 on."""
+    config = load_run_config(
+        ["policy.model.num_experts=4", "policy.layout.tensor_parallel=2", "policy.router_replay=r3"]
+    )
+    assert (config.policy.model.num_experts, config.policy.layout.tensor_parallel) == (4, 2)
 
 
 def test_load_run_config_a_dense_model_ignores_moe_topk() -> None:
