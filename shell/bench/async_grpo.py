@@ -134,6 +134,17 @@ def time_to_reward(records: Records, target: float, window: int = LAST) -> float
     return None
 
 
+def per_seed(values: Sequence[float]) -> str:
+    """``"mean (lo-hi; per seed a / b / c)"`` of the per-seed ``values``, three decimals.
+
+    Example:
+        >>> per_seed([0.5, 0.25, 0.75])
+        '0.500 (0.250-0.750; per seed 0.500 / 0.250 / 0.750)'
+    """
+    mean, lo, hi, _ = spread(list(values))
+    return f"{mean:.3f} ({lo:.3f}-{hi:.3f}; per seed {' / '.join(f'{v:.3f}' for v in values)})"
+
+
 def final_reward(records: Records) -> float:
     """Mean ``reward_mean`` of the last ``LAST`` steps."""
     tail = sorted(records, key=lambda r: r["step"])[-LAST:]
@@ -217,19 +228,18 @@ def _tables(cfg: AsyncBenchConfig, records: Mapping[str, Mapping[int, Records]],
         reach = [time_to_reward(records[name][s], cfg.target) for s in seeds]
         reached = [t for t in reach if t is not None]
         final = [final_reward(records[name][s]) for s in seeds]
-        mean, lo, hi, _ = spread(final)
         rows.append([
             name,
             f"{statistics.median(throughput):.3f}",
             "1 (baseline)" if name == "sync" else f"{statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})",
             (f"{statistics.median(reached):.0f}" if reached else "-") + f" ({len(reached)}/{len(seeds)} seeds)",
-            f"{mean:.3f} ({lo:.3f}-{hi:.3f})",
+            per_seed(final),
             f"{max(r['version_lag_max'] for s in seeds for r in records[name][s])}",
         ])
     report.table(
         f"Async GRPO vs sync: {setting}, {cfg.steps} steps x {len(seeds)} paired seeds, order rotated; {elapsed:.0f} s in all; on {cpu_name()}",
         ["trainer", "steps / s (median)", "throughput vs sync: median of paired ratios",
-         f"training s to reward {cfg.target} (trailing {LAST}, median)", f"final reward, last {LAST} (mean, range)",
+         f"training s to reward {cfg.target} (trailing {LAST}, median)", f"final reward, last {LAST} (mean, range, per seed)",
          "max version lag"],
         rows,
     )

@@ -55,9 +55,9 @@ from typing import Any
 import attrs
 
 from core.routing import LogprobMismatch, RoutingDisagreement, routing_bytes
-from shell.bench.async_grpo import final_reward, mean_of
+from shell.bench.async_grpo import final_reward, mean_of, per_seed
 from shell.bench.report import Report
-from shell.bench.reward import ROOT, cpu_name, spread
+from shell.bench.reward import ROOT, cpu_name
 from shell.run_log import read_metrics
 from shell.run_plot import plot_compare
 
@@ -491,13 +491,12 @@ def _cost_table(cfg: R3BenchConfig, records: Mapping[str, Mapping[int, Records]]
     for name in VARIANTS:
         times = [mean_step_time(records[name][s]) for s in seeds]
         final = [final_reward(records[name][s]) for s in seeds]
-        mean, lo, hi, _ = spread(final)
         flat = [r for s in seeds for r in records[name][s]]
         rows.append([
             name,
             f"{statistics.median(times):.3f}",
             "1 (baseline)" if name == "off" else f"{statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})",
-            f"{mean:.3f} ({lo:.3f}-{hi:.3f})",
+            per_seed(final),
             f"{mean_of(flat, 'phase_rollout_s'):.3f}",
             f"{mean_of(flat, 'phase_logprobs_s'):.3f}",
             f"{mean_of(flat, 'phase_train_s'):.3f}",
@@ -507,7 +506,7 @@ def _cost_table(cfg: R3BenchConfig, records: Mapping[str, Mapping[int, Records]]
         f"Cost and training, policy.router_replay off vs r3: {' '.join(cfg.base_overrides)}, {cfg.steps} steps x "
         f"{len(seeds)} paired seeds, order rotated; {elapsed:.0f} s of runs in all; on {cpu_name()} (goal: r3 / off <= 1.05)",
         ["router replay", "step s (median of per-run means)", "step time r3 / off: median of paired ratios",
-         f"final reward, last {LAST} (mean, range over seeds)", "rollout s / step", "logprobs s / step",
+         f"final reward, last {LAST} (mean, range, per seed)", "rollout s / step", "logprobs s / step",
          "train s / step", "data-plane bytes / step"],
         rows,
     )

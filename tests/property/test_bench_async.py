@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shell.bench.async_grpo import AsyncBenchConfig, final_reward, steps_per_second, time_to_reward
+from shell.bench.async_grpo import AsyncBenchConfig, final_reward, per_seed, steps_per_second, time_to_reward
 
 
 def _records(rewards: list[float], times: list[float]) -> list[dict[str, float]]:
@@ -72,3 +72,9 @@ def test_async_bench_config_rejects_what_the_bench_sets(tmp_path: object) -> Non
     assert AsyncBenchConfig(seeds=1, steps=10, runs_dir=str(tmp_path), overrides=own).base_overrides == (
         "task.name=reverse", "task.kwargs.length=10", "task.kwargs.digits=4", *own,
     )
+
+
+def test_per_seed_gives_mean_range_and_every_seed_in_order() -> None:
+    """The final-reward column: the mean, the range, then each seed's value in seed order."""
+    assert per_seed([0.5, 0.25, 0.75]) == "0.500 (0.250-0.750; per seed 0.500 / 0.250 / 0.750)"
+    assert per_seed([0.125]) == "0.125 (0.125-0.125; per seed 0.125)"
