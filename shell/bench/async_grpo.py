@@ -40,7 +40,7 @@ from typing import Any
 import attrs
 
 from shell.bench.report import Report
-from shell.bench.reward import ROOT, cpu_name, spread
+from shell.bench.reward import ROOT, absolute_path, check_run_bench, cpu_name, spread, unset_defaults
 from shell.run_log import read_metrics
 from shell.run_plot import plot_compare
 
@@ -74,24 +74,21 @@ class AsyncBenchConfig:
 
     seeds: int
     steps: int
-    runs_dir: Path = attrs.field(converter=lambda p: Path(p).resolve())
+    runs_dir: Path = attrs.field(converter=absolute_path)
     staleness: tuple[int, ...] = attrs.field(converter=tuple, default=(1, 2))
     target: float = 0.5
     first_seed: int = 0
-    plot: Path | None = attrs.field(converter=attrs.converters.optional(lambda p: Path(p).resolve()), default=None)
+    plot: Path | None = attrs.field(converter=attrs.converters.optional(absolute_path), default=None)
     reuse: bool = False
     overrides: tuple[str, ...] = attrs.field(converter=tuple, default=())
 
     def __attrs_post_init__(self) -> None:
-        if self.seeds < 1:
-            raise ValueError(f"'seeds' must be >= 1: got {self.seeds}")
-        if self.steps < LAST:
-            raise ValueError(f"'steps' must be >= {LAST}: got {self.steps}")
+        check_run_bench(
+            seeds=self.seeds, steps=self.steps, first_seed=self.first_seed, overrides=self.overrides,
+            reserved_prefixes=("grpo.async.",),
+        )
         if not self.staleness or any(k < 0 for k in self.staleness):
             raise ValueError(f"'staleness' must hold at least one value >= 0: got {self.staleness}")
-        taken = [o for o in self.overrides if o.split("=", 1)[0] in ("seed", "grpo.num_steps", "run.dir") or o.startswith("grpo.async.")]
-        if taken:
-            raise ValueError(f"'overrides' must not set seed, grpo.num_steps, run.dir or grpo.async.* (the bench does): got {taken}")
 
     @property
     def variants(self) -> dict[str, tuple[str, ...]]:
@@ -105,8 +102,7 @@ class AsyncBenchConfig:
     def base_overrides(self) -> tuple[str, ...]:
         """The task (unless the overrides name one), no packing (unless they set it) and the overrides."""
         own_task = any(o.startswith("task.") for o in self.overrides)
-        own_packing = any(o.split("=", 1)[0] == "policy.micro_batch_tokens" for o in self.overrides)
-        return (*(() if own_task else TASK_OVERRIDES), *(() if own_packing else PACKING_OVERRIDES), *self.overrides)
+        return (*(() if own_task else TASK_OVERRIDES), *unset_defaults(PACKING_OVERRIDES, self.overrides), *self.overrides)
 
 
 def steps_per_second(records: Records) -> float:

@@ -57,7 +57,7 @@ import attrs
 from core.routing import LogprobMismatch, RoutingDisagreement, routing_bytes
 from shell.bench.async_grpo import final_reward, mean_of, per_seed
 from shell.bench.report import Report
-from shell.bench.reward import ROOT, cpu_name
+from shell.bench.reward import ROOT, RUN_KEYS, absolute_path, check_run_bench, cpu_name, unset_defaults
 from shell.run_log import read_metrics
 from shell.run_plot import plot_compare
 
@@ -71,7 +71,7 @@ DEFAULTS = (
     ("data_plane.backend", "memory"),
 )
 """The bench's setting, each applied unless ``overrides`` set that key."""
-BENCH_KEYS = ("seed", "grpo.num_steps", "run.dir", "policy.router_replay", "data_plane.enabled")
+BENCH_KEYS = (*RUN_KEYS, "policy.router_replay", "data_plane.enabled")
 """Keys the bench sets itself; ``overrides`` may not."""
 VARIANTS: dict[str, tuple[str, ...]] = {"off": ("policy.router_replay=off",), "r3": ("policy.router_replay=r3",)}
 """Variant name -> its overrides."""
@@ -102,31 +102,22 @@ class R3BenchConfig:
 
     seeds: int
     steps: int
-    runs_dir: Path = attrs.field(converter=lambda p: Path(p).resolve())
+    runs_dir: Path = attrs.field(converter=absolute_path)
     batches: int = 4
     bytes_steps: int = 5
     first_seed: int = 0
-    plot: Path | None = attrs.field(converter=attrs.converters.optional(lambda p: Path(p).resolve()), default=None)
+    plot: Path | None = attrs.field(converter=attrs.converters.optional(absolute_path), default=None)
     reuse: bool = False
     overrides: tuple[str, ...] = attrs.field(converter=tuple, default=())
 
     def __attrs_post_init__(self) -> None:
-        if self.seeds < 1:
-            raise ValueError(f"'seeds' must be >= 1: got {self.seeds}")
-        if self.steps < LAST:
-            raise ValueError(f"'steps' must be >= {LAST}: got {self.steps}")
+        check_run_bench(
+            seeds=self.seeds, steps=self.steps, first_seed=self.first_seed, overrides=self.overrides, reserved=BENCH_KEYS
+        )
         if self.batches < 1:
             raise ValueError(f"'batches' must be >= 1: got {self.batches}")
         if not 1 <= self.bytes_steps <= self.steps:
             raise ValueError(f"'bytes_steps' must be in [1, steps ({self.steps})]: got {self.bytes_steps}")
-        if self.first_seed < 0:
-            raise ValueError(f"'first_seed' must be >= 0: got {self.first_seed}")
-        bad = [o for o in self.overrides if "=" not in o]
-        if bad:
-            raise ValueError(f"'overrides' must be key=value items: got {bad}")
-        taken = [o for o in self.overrides if o.split("=", 1)[0] in BENCH_KEYS]
-        if taken:
-            raise ValueError(f"'overrides' must not set {', '.join(BENCH_KEYS)} (the bench does): got {taken}")
         experts = self.setting.get("policy.model.num_experts", "")
         if not experts.strip().isdigit() or int(experts) < 2:
             raise ValueError(
@@ -141,8 +132,7 @@ class R3BenchConfig:
     @property
     def base_overrides(self) -> tuple[str, ...]:
         """The defaults the overrides leave unset, then the overrides."""
-        own = {o.split("=", 1)[0] for o in self.overrides}
-        return (*(f"{k}={v}" for k, v in DEFAULTS if k not in own), *self.overrides)
+        return (*unset_defaults([f"{k}={v}" for k, v in DEFAULTS], self.overrides), *self.overrides)
 
     @property
     def seed_list(self) -> list[int]:

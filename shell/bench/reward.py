@@ -52,6 +52,59 @@ DIGEST_KEYS = ("reward_mean", "entropy", "loss", "kl", "grad_norm")
 Records = Sequence[Mapping[str, Any]]
 
 
+RUN_KEYS = ("seed", "grpo.num_steps", "run.dir")
+"""Config keys every bench that runs ``python -m shell.run`` sets for each run itself."""
+
+
+def absolute_path(path: str | Path) -> Path:
+    """``path`` made absolute (the converter of every bench's run folder and plot)."""
+    return Path(path).resolve()
+
+
+def check_run_bench(
+    *, seeds: int, steps: int, first_seed: int, overrides: Sequence[str], reserved: Sequence[str] = RUN_KEYS,
+    reserved_prefixes: Sequence[str] = (),
+) -> None:
+    """The checks of every bench that runs ``python -m shell.run`` once per seed.
+
+    Raises:
+        ValueError: ``seeds < 1``, ``steps < LAST`` (the final reward averages the last ``LAST``),
+            ``first_seed < 0``, an override that is not ``key=value``, or one that sets a key the bench
+            sets (``reserved``, or a key under one of ``reserved_prefixes``).
+
+    Example:
+        >>> check_run_bench(seeds=1, steps=10, first_seed=0, overrides=("seed=3",))
+        Traceback (most recent call last):
+        ...
+        ValueError: 'overrides' must not set seed, grpo.num_steps or run.dir (the bench sets them): got ['seed=3']
+    """
+    if seeds < 1:
+        raise ValueError(f"'seeds' must be >= 1: got {seeds}")
+    if steps < LAST:
+        raise ValueError(f"'steps' must be >= {LAST}: got {steps}")
+    if first_seed < 0:
+        raise ValueError(f"'first_seed' must be >= 0: got {first_seed}")
+    malformed = [o for o in overrides if "=" not in o]
+    if malformed:
+        raise ValueError(f"'overrides' must be key=value items: got {malformed}")
+    taken = [o for o in overrides if o.split("=", 1)[0] in reserved or o.startswith(tuple(reserved_prefixes))]
+    if taken:
+        names = [*reserved, *(f"{p}*" for p in reserved_prefixes)]
+        listed = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+        raise ValueError(f"'overrides' must not set {listed} (the bench sets them): got {taken}")
+
+
+def unset_defaults(defaults: Sequence[str], overrides: Sequence[str]) -> tuple[str, ...]:
+    """The ``key=value`` items of ``defaults`` whose key no item of ``overrides`` sets.
+
+    Example:
+        >>> unset_defaults(("a=1", "b=2"), ("b=3",))
+        ('a=1',)
+    """
+    own = {o.split("=", 1)[0] for o in overrides}
+    return tuple(d for d in defaults if d.split("=", 1)[0] not in own)
+
+
 @attrs.frozen
 class RewardBenchConfig:
     """What the bench runs: ``seeds`` runs of ``steps`` steps from ``first_seed``, into ``runs_dir``.
@@ -69,20 +122,14 @@ class RewardBenchConfig:
 
     seeds: int
     steps: int
-    runs_dir: Path = attrs.field(converter=lambda p: Path(p).resolve())
-    plot: Path | None = attrs.field(converter=attrs.converters.optional(lambda p: Path(p).resolve()), default=None)
+    runs_dir: Path = attrs.field(converter=absolute_path)
+    plot: Path | None = attrs.field(converter=attrs.converters.optional(absolute_path), default=None)
     first_seed: int = 0
     reuse: bool = False
     overrides: tuple[str, ...] = attrs.field(converter=tuple, default=())
 
     def __attrs_post_init__(self) -> None:
-        if self.seeds < 1:
-            raise ValueError(f"'seeds' must be >= 1: got {self.seeds}")
-        if self.steps < LAST:
-            raise ValueError(f"'steps' must be >= {LAST} (the headline averages the last {LAST}): got {self.steps}")
-        taken = [o for o in self.overrides if o.split("=", 1)[0] in ("seed", "grpo.num_steps", "run.dir")]
-        if taken:
-            raise ValueError(f"'overrides' must not set seed, grpo.num_steps or run.dir (the bench sets them): got {taken}")
+        check_run_bench(seeds=self.seeds, steps=self.steps, first_seed=self.first_seed, overrides=self.overrides)
 
     @property
     def plot_path(self) -> Path:

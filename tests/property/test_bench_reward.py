@@ -16,11 +16,13 @@ from shell.bench.report import Report
 from shell.bench.reward import (
     LAST,
     RewardBenchConfig,
+    check_run_bench,
     curve_digest,
     plot_seeds,
     run,
     spread,
     summarize,
+    unset_defaults,
     window_mean,
     windows,
 )
@@ -146,3 +148,29 @@ def test_reward_bench_refuses_to_overwrite_runs_or_to_reuse_missing_ones(tmp_pat
         run(RewardBenchConfig(seeds=1, steps=20, runs_dir=tmp_path, reuse=True, plot=tmp_path / "c.png"), Report(markdown=True))
     with pytest.raises(SystemExit):
         bench_main(["reward", "--reuse"])
+
+
+def test_check_run_bench_names_each_bad_option_and_the_reserved_keys() -> None:
+    """The checks every run bench shares: counts, key=value items, and the keys and prefixes the bench sets."""
+    ok = {"seeds": 1, "steps": 10, "first_seed": 0, "overrides": ("policy.learning_rate=0.01",)}
+    check_run_bench(**ok)
+    for change, message in (
+        ({"seeds": 0}, "'seeds' must be >= 1: got 0"),
+        ({"steps": 9}, "'steps' must be >= 10: got 9"),
+        ({"first_seed": -2}, "'first_seed' must be >= 0: got -2"),
+        ({"overrides": ("seed",)}, "'overrides' must be key=value items: got ['seed']"),
+        ({"overrides": ("run.dir=x",)}, "'overrides' must not set seed, grpo.num_steps or run.dir (the bench sets them): got ['run.dir=x']"),
+    ):
+        with pytest.raises(ValueError) as info:
+            check_run_bench(**{**ok, **change})
+        assert str(info.value) == message
+    with pytest.raises(ValueError) as info:
+        check_run_bench(**{**ok, "overrides": ("grpo.async.enabled=true",)}, reserved=("seed",), reserved_prefixes=("grpo.async.",))
+    assert str(info.value) == "'overrides' must not set seed or grpo.async.* (the bench sets them): got ['grpo.async.enabled=true']"
+
+
+@given(st.lists(st.sampled_from("abc"), unique=True), st.lists(st.sampled_from("abcd"), unique=True))
+def test_unset_defaults_keeps_exactly_the_defaults_no_override_sets(defaults: list[str], overridden: list[str]) -> None:
+    """Partition law: a default survives iff no override sets its key, and the survivors keep their order."""
+    kept = unset_defaults([f"{k}=1" for k in defaults], [f"{k}=2" for k in overridden])
+    assert kept == tuple(f"{k}=1" for k in defaults if k not in overridden)
