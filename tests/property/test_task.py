@@ -28,6 +28,7 @@ from tests.property.strategies import (
     addition_tasks,
     alphabet_and_foreign_text,
     alphabet_and_text,
+    reverse_rollouts,
     task_seeds,
     task_steps,
     tokenizer_alphabets,
@@ -361,9 +362,13 @@ def test_rewards_exact_answer_is_the_unique_max(rollout: tuple[AdditionTask, Pro
     assert other < best or response == exact
 
 
-@given(addition_rollouts(), st.data())
-def test_rewards_monotone_in_correct_digits(rollout: tuple[AdditionTask, Prompt, tuple[int, ...]], data: st.DataObject) -> None:
-    """Making one wrong position right (same length, same EOS) never lowers the reward."""
+# The position-match laws hold for every built-in task (both score with core.match_reward).
+BUILT_IN_ROLLOUTS = st.one_of(addition_rollouts(), reverse_rollouts())
+
+
+@given(BUILT_IN_ROLLOUTS, st.data())
+def test_rewards_monotone_in_correct_digits(rollout: tuple[Task, Prompt, tuple[int, ...]], data: st.DataObject) -> None:
+    """Making one wrong position right (same length, same EOS) never lowers the reward (addition and reverse)."""
     task, prompt, response = rollout
     answer = task.tokenizer.encode(prompt.answer)
     ended = bool(response) and response[-1] == EOS_ID
@@ -377,9 +382,10 @@ def test_rewards_monotone_in_correct_digits(rollout: tuple[AdditionTask, Prompt,
     assert after >= before
 
 
-@given(addition_rollouts())
-def test_rewards_wrong_length_never_gets_bonus(rollout: tuple[AdditionTask, Prompt, tuple[int, ...]]) -> None:
-    """A response whose pre-EOS length differs from the answer, or without EOS, scores at most digit_weight."""
+@given(BUILT_IN_ROLLOUTS)
+def test_rewards_wrong_length_never_gets_bonus(rollout: tuple[Task, Prompt, tuple[int, ...]]) -> None:
+    """A response whose pre-EOS length differs from the answer, or without EOS, scores at most digit_weight
+    (addition and reverse)."""
     task, prompt, response = rollout
     ended = bool(response) and response[-1] == EOS_ID
     generated = len(response) - 1 if ended else len(response)
