@@ -331,11 +331,16 @@ class PolicySection:
             raise ConfigError("policy.layout.tensor_parallel", f"must divide policy.model.num_attention_heads ({heads}): got {tp}")
         if layers % pp:
             raise ConfigError("policy.layout.pipeline_parallel", f"must divide policy.model.num_layers ({layers}): got {pp}")
-        if self.router_replay == RouterReplayMode.r3 and not self.model.num_experts:
+        if self.replays_routing and not self.model.num_experts:
             raise ConfigError(
                 "policy.router_replay",
                 "must be off for a dense model (policy.model.num_experts = 0; R3 replays MoE routing): got r3",
             )
+
+    @property
+    def replays_routing(self) -> bool:
+        """Whether R3 is on: the rollout records ``routed_experts`` and the policy replays it."""
+        return self.router_replay == RouterReplayMode.r3
 
 
 @attrs.frozen

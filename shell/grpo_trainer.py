@@ -54,7 +54,7 @@ from shell.phases import PhaseTimer
 from shell.policy import Policy, PolicyConfig
 from shell.rollout import RolloutConfig
 from shell.ray_cluster import connect as connect_ray
-from shell.run_config import RouterReplayMode, RunConfig, StoreBackend, dump_run_config
+from shell.run_config import RunConfig, StoreBackend, dump_run_config
 from shell.step_source import NotEnoughGroups, StepInput, StepSource, build_source
 from shell.transport import DataPlaneTransport, LegacyTransport, Transport, TransportReport
 
@@ -100,7 +100,7 @@ def policy_config(config: RunConfig, model: TinyGPTConfig) -> PolicyConfig:
         packing=PackingSpec(max_tokens_per_microbatch=p.micro_batch_tokens) if p.micro_batch_tokens else None,
         learning_rate=p.learning_rate,
         fetch_policy=p.fetch_policy.value,
-        router_replay=p.router_replay == RouterReplayMode.r3,
+        router_replay=p.replays_routing,
         train_global_batch_size=p.train_global_batch_size,
         num_cpus_per_worker=p.num_cpus_per_worker,
         timeout_s=p.timeout_s,
@@ -213,7 +213,7 @@ class GRPOTrainer:
                 self.task,
                 self.config.grpo.temperature,
                 precision=self.config.rollout.precision.value,
-                record_routing=self.config.policy.router_replay == RouterReplayMode.r3,
+                record_routing=self.config.policy.replays_routing,
             ),
             transport,
             key_prefix=self.key_prefix,
