@@ -34,6 +34,7 @@ import ray
 import transfer_queue as tq
 from omegaconf import DictConfig, OmegaConf
 
+from adapters import tq_object_store
 from adapters.ray_actors import named_actor_exists
 from adapters.tq_mooncake import MOONCAKE, attach_lending_no_memory, prepare_mooncake
 
@@ -54,12 +55,14 @@ class SystemHold:
             stops the backend processes it started.
         owns_ray: :func:`release` also shuts Ray down.
         kv_backend: the storage backend is Mooncake (rows travel padded, clears go per field set).
+        storage_backend: TQ's ``backend.storage_backend`` (``SimpleStorage``, ``RayObjectStore``, ...).
         backend_processes: the local processes TQ started for its backend.
     """
 
     owns_transfer_queue: bool = False
     owns_ray: bool = False
     kv_backend: bool = False
+    storage_backend: str = "SimpleStorage"
     backend_processes: tuple[subprocess.Popen, ...] = ()
 
 
@@ -67,11 +70,13 @@ class SystemHold:
 
 
 def _default_config() -> DictConfig:
-    return OmegaConf.load(resources.files("transfer_queue") / "config.yaml")  # type: ignore[return-value]
+    """TQ's own defaults, plus an (empty) section for this project's backend :data:`adapters.tq_object_store.BACKEND`."""
+    conf = OmegaConf.load(resources.files("transfer_queue") / "config.yaml")
+    return OmegaConf.merge(conf, {"backend": {tq_object_store.BACKEND: {}}})  # type: ignore[return-value]
 
 
 def known_backends() -> tuple[str, ...]:
-    """The storage backends TQ 0.1.11 knows: the sections of ``backend`` in its default config."""
+    """The storage backends TQ 0.1.11 knows (the sections of ``backend`` in its default config) and ours."""
     return tuple(name for name in _default_config().backend if name != "storage_backend")
 
 
@@ -160,16 +165,24 @@ def start(config: Config | None = None) -> SystemHold:
             tq.init(conf)
         except BaseException:
             processes = _backend_processes()
+            index = _take_object_store_index()
             with contextlib.suppress(Exception):
                 tq.close()
             _stop(processes)
+            if index is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(index)
             raise
     except BaseException:
         if owns_ray:
             ray.shutdown()
         raise
     return SystemHold(
-        owns_transfer_queue=True, owns_ray=owns_ray, kv_backend=mooncake, backend_processes=_backend_processes()
+        owns_transfer_queue=True,
+        owns_ray=owns_ray,
+        kv_backend=mooncake,
+        storage_backend=conf.backend.storage_backend,
+        backend_processes=_backend_processes(),
     )
 
 
@@ -200,7 +213,7 @@ def attach() -> SystemHold:
     if mooncake:
         attach_lending_no_memory(conf)
     tq.init()
-    return SystemHold(kv_backend=mooncake)
+    return SystemHold(kv_backend=mooncake, storage_backend=conf.backend.storage_backend)
 
 
 def client() -> tq.TransferQueueClient:
@@ -225,13 +238,26 @@ def release(hold: SystemHold) -> None:
     """Shut down what ``hold`` owns: TQ and its backend processes, then Ray (even if TQ's shutdown fails)."""
     try:
         if hold.owns_transfer_queue:
+            index = None
             try:
+                index = _take_object_store_index()
                 tq.close()
             finally:
                 _stop(hold.backend_processes)  # TQ leaves the Mooncake master running
+                if index is not None:
+                    with contextlib.suppress(Exception):
+                        ray.kill(index)
     finally:
         if hold.owns_ray:
             ray.shutdown()
+
+
+def _take_object_store_index() -> Any:
+    """The :data:`adapters.tq_object_store.BACKEND` index this process started, taken out of TQ's globals (TQ's
+    ``close()`` knows no way to stop it), or None."""
+    started = getattr(getattr(tq, "interface", None), "_TQ_STORAGE", None) or {}
+    resources_ = started.pop(tq_object_store.BACKEND, None) if isinstance(started, dict) else None
+    return resources_.get("index") if isinstance(resources_, Mapping) else None
 
 
 def _backend_processes() -> tuple[subprocess.Popen, ...]:

@@ -95,6 +95,17 @@ async def _drop_registered(client: tq.TransferQueueClient, meta: tq.BatchMeta) -
             await client._clear_meta_in_controller(meta)
 
 
+async def _write(client: tq.TransferQueueClient, payload: TensorDict, meta: tq.BatchMeta) -> None:
+    """What TQ's ``put`` does that this adapter needs: store the columns, then record the keys' tags.
+
+    TQ's own ``put`` also rebuilds the meta it returns (unbinding every jagged
+    column row by row) and resets torch's thread count on every call; the
+    adapter keeps its own receipt, so it skips both.
+    """
+    await client.storage_manager.put_data(payload, meta)
+    await client.async_set_custom_meta(meta)
+
+
 # ---------------------------------------------------------------- stores
 
 
@@ -155,6 +166,12 @@ class TransferQueueStore(StoreAdapter):
         return cls(tq_system.attach())
 
     @property
+    def storage_backend(self) -> str:
+        """TransferQueue's storage backend: ``SimpleStorage``, ``RayObjectStore`` (:mod:`adapters.tq_object_store`),
+        ``MooncakeStore``."""
+        return self._hold.storage_backend
+
+    @property
     def owns_transfer_queue(self) -> bool:
         """Whether ``close()`` shuts TransferQueue down."""
         return self._hold.owns_transfer_queue
@@ -177,7 +194,7 @@ class TransferQueueStore(StoreAdapter):
         fresh = new_keys(plan, meta.custom_meta)
         meta.update_custom_meta(tag_updates(plan, meta.custom_meta))
         try:
-            client.put(plan.payload, metadata=meta)
+            client._run_coroutine(_write(client, plan.payload, meta))
         except BaseException:
             if fresh:
                 with contextlib.suppress(Exception):  # e.g. TQ's event loop is gone too
@@ -195,7 +212,8 @@ class TransferQueueStore(StoreAdapter):
         specs = plan_get(keys, partition_id, names, meta.custom_meta)
         tags = pick_tags(meta.custom_meta, tag_names)
         selected = select_wires(meta, specs, partition_id)
-        return decode_columns(specs, client.get_data(selected), len(keys), pad_rows=self._kv_backend), tags
+        data = client._run_coroutine(client.storage_manager.get_data(selected))
+        return decode_columns(specs, data, len(keys), pad_rows=self._kv_backend), tags
 
     def _clear(self, keys: tuple[str, ...], partition_id: str) -> None:
         """One TQ clear of the keys, after checking that all are stored; on Mooncake, one per field set."""

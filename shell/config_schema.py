@@ -39,6 +39,8 @@ from shell.run_task import TaskShape, built_in_names, load_task, probe_task
 
 TRANSFER_QUEUE_CPUS = 3.0
 """Logical CPUs of TransferQueue's actors (SimpleStorage defaults): the controller and 2 storage units, 1 each."""
+TQ_OBJECT_STORE_CPUS = 1.0
+"""Logical CPUs of TransferQueue on the Ray object store: the controller (the backend's index actor takes none)."""
 ROLLOUT_ENGINES = 1
 """Rollout engine actors of a run (each takes ``policy.num_cpus_per_worker`` CPUs)."""
 
@@ -46,8 +48,14 @@ ROLLOUT_ENGINES = 1
 class StoreBackend(str, enum.Enum):
     """Which store the data plane uses."""
 
+    tq_object_store = "tq_object_store"
     transfer_queue = "transfer_queue"
     memory = "memory"
+
+    @property
+    def tq_storage(self) -> str | None:
+        """TransferQueue's ``backend.storage_backend`` for this store, or None for a store that is not TransferQueue."""
+        return {"tq_object_store": "RayObjectStore", "transfer_queue": "SimpleStorage"}.get(self.value)
 
 
 class FetchPolicyName(str, enum.Enum):
@@ -378,7 +386,10 @@ class DataPlaneSection:
 
     PATH: ClassVar[str] = "data_plane."
     enabled: bool = _key("true: bulk tensors go through the store; false: the legacy in-memory path")
-    backend: StoreBackend = _key("transfer_queue | memory")
+    backend: StoreBackend = _key(
+        "tq_object_store (TransferQueue, rows in Ray's object store) | transfer_queue (TransferQueue as shipped, "
+        "SimpleStorage units) | memory (one Ray actor)"
+    )
     partition: str = _key("the store partition of the run's rows (any text)", _non_empty)
     verify_integrity: bool = _key("digest every row at put and check it at get")
 
@@ -491,12 +502,15 @@ def cluster_cpus(config: RunConfig) -> tuple[float, str]:
         '1 policy rank x 0.25 + 1 rollout engine x 0.25 + 3 for TransferQueue = 3.5'
     """
     ranks, each = config.policy.layout.world_size, config.policy.num_cpus_per_worker
-    store = config.data_plane.enabled and config.data_plane.backend == StoreBackend.transfer_queue
-    parts = [ranks * each, ROLLOUT_ENGINES * each] + ([TRANSFER_QUEUE_CPUS] if store else [])
+    backend = config.data_plane.backend if config.data_plane.enabled else None
+    store = {StoreBackend.transfer_queue: TRANSFER_QUEUE_CPUS, StoreBackend.tq_object_store: TQ_OBJECT_STORE_CPUS}.get(
+        backend, 0.0  # type: ignore[arg-type]
+    )
+    parts = [ranks * each, ROLLOUT_ENGINES * each] + ([store] if store else [])
     total = math.fsum(parts)
     text = (
         f"{ranks} policy rank{'s' if ranks > 1 else ''} x {each:g} + {ROLLOUT_ENGINES} rollout engine x {each:g}"
-        + (f" + {TRANSFER_QUEUE_CPUS:g} for TransferQueue" if store else "")
+        + (f" + {store:g} for TransferQueue" if store else "")
         + f" = {total:g}"
     )
     return total, text

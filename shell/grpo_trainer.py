@@ -48,6 +48,7 @@ from core.step_plan import TrainResult
 from core.task import Task
 from core.topology import NamedSharding
 from adapters.store_port import DataPlaneClient
+from shell.config_error import ConfigError
 from shell.loss import GRPOLoss
 from shell.metering import MeteredClient
 from shell.phases import PhaseTimer
@@ -244,10 +245,18 @@ class GRPOTrainer:
             return store, functools.partial(RayMemoryStore.attach, store.name)
         from adapters.transfer_queue import TransferQueueStore, is_running
 
+        wanted = self.config.data_plane.backend.tq_storage
         if is_running():  # a cluster that already runs TransferQueue: join it, leave it running
             store = TransferQueueStore.attach()
+            if store.storage_backend != wanted:
+                store.close()
+                raise ConfigError(
+                    f"data_plane.backend={self.config.data_plane.backend.value} needs TransferQueue's {wanted} "
+                    f"storage, but the TransferQueue running on this cluster uses {store.storage_backend}: "
+                    f"set data_plane.backend to match it, or stop that TransferQueue"
+                )
         else:
-            store = TransferQueueStore.start()
+            store = TransferQueueStore.start({"backend": {"storage_backend": wanted}})
         self._store = store
         return store, TransferQueueStore.attach
 

@@ -92,11 +92,12 @@ def ray_cluster() -> Iterator[None]:
         ray.shutdown()
 
 
-TQ_BACKEND = os.environ.get("RLDP_TEST_TQ_BACKEND", "SimpleStorage")
+TQ_BACKEND = os.environ.get("RLDP_TEST_TQ_BACKEND", "RayObjectStore")
 """The storage backend of the session's TransferQueue (see the module docstring)."""
 
 TQ_TEST_CONFIGS: dict[str, dict[str, Any]] = {
     "SimpleStorage": {},
+    "RayObjectStore": {"backend": {"storage_backend": "RayObjectStore"}},
     "MooncakeStore": {
         "backend": {
             "storage_backend": "MooncakeStore",

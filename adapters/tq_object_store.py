@@ -1,0 +1,394 @@
+"""``RayObjectStore``: a TransferQueue storage backend that keeps rows in Ray's shared-memory object store.
+
+TransferQueue (TQ) still owns keys, partitions, tags and production status
+(its controller); this backend owns only the bytes. A put stores each field
+of the batch as **one Ray object per column** (a column frame: the column's
+bytes, its dtype and shape, and for a jagged column its row offsets), with
+one ``ray.put`` in the writing process; a column under
+:data:`INLINE_BYTES` travels inside the index call instead (Ray inlines small
+task arguments and replies, where a ``ray.put`` costs about a millisecond
+whatever its size). Each row's location, ``(column id, row)``, travels to the
+controller as TQ's per-row, per-field backend meta, so a get needs one
+controller lookup (which it makes anyway), one call to the index for the
+columns' object refs, and one ``ray.get``: zero-copy from the node's shared
+memory on the same node, Ray's own object transfer across nodes.
+
+The index (:class:`ObjectStoreIndex`, one named actor per TQ system, started
+with TQ and stopped with it) borrows every live column's object ref and
+counts its live rows per ``(global index, field)``. A rewrite of a field or a
+clear of a row releases that row; a column whose last row is released is
+dropped, and Ray frees it.
+
+Ownership: Ray makes the process that calls ``ray.put`` the object's owner,
+and Ray 2.56 removed the way to name another owner. A column therefore lives
+in the object store of its writer's node and as long as its writer's process:
+if the writer exits, its rows are lost, and a get of them raises naming the
+writer. Every writer of a GRPO run (rollout engine, policy workers, driver)
+lives for the whole run.
+
+Invariants:
+  * a get returns exactly the rows and fields the meta names, in its order,
+    bitwise as they were put (every torch dtype travels as raw bytes);
+  * a column lives while any of its rows is live, and not after: after a
+    clear of every key, :meth:`ObjectStoreIndex.stats` reports 0 columns;
+  * every row location read from the controller names a live column, or the
+    get raises ``RuntimeError`` naming the field and the global index.
+
+Limits: a column's memory is held until its last row is cleared (a partial
+clear frees nothing). Rows are lost with their writer (see above).
+Only tensor columns are stored (dense or jagged); the adapter
+(:mod:`adapters.transfer_queue`) sends object columns as jagged bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+import warnings
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from tensordict import TensorDict
+from transfer_queue.storage.bootstrap import StorageBootstrapProvider
+from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
+
+BACKEND = "RayObjectStore"
+"""The backend's name in TQ's config (``backend.storage_backend``) and factories."""
+
+INDEX_NAME = "TransferQueueObjectStoreIndex"
+INDEX_NAMESPACE = "transfer_queue"
+
+_WRITER = f"pid {os.getpid()} on {socket.gethostname()}"
+"""How the index names this process as a writer (in the error when its rows are lost)."""
+
+INLINE_BYTES = 64 << 10
+"""Columns of fewer bytes are kept in the index's memory rather than as objects of their own."""
+
+Frame = dict[str, Any]
+"""A stored column: ``bytes`` (uint8 array), ``dtype`` (torch dtype name), ``shape`` (of the values), ``offsets``
+(int64 row offsets of a jagged column, or None for a dense one)."""
+
+
+# ---------------------------------------------------------------- column frames
+
+
+def frame_column(field: str, value: Any, n: int) -> Frame:
+    """The frame that stores ``value``, a column of ``n`` rows: dense ``(n, ...)`` or jagged (nested, jagged layout).
+
+    Raises:
+        TypeError: ``value`` is not a tensor (this backend stores tensor columns only).
+        ValueError: ``value`` does not have ``n`` rows.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{BACKEND} stores tensor columns only: field {field!r} is a {type(value).__name__} "
+            "(put object columns through adapters.transfer_queue.TransferQueueStore, which sends them as bytes)"
+        )
+    if value.is_nested:
+        values, offsets = _jagged_parts(field, value)
+    else:
+        values, offsets = value, None
+    rows = len(offsets) - 1 if offsets is not None else (values.shape[0] if values.dim() else None)
+    if rows != n:
+        raise ValueError(f"field {field!r} has {rows} rows: expected {n}")
+    values = values.detach().contiguous()
+    return {
+        "bytes": values.reshape(-1).view(torch.uint8).numpy(),
+        "dtype": str(values.dtype).removeprefix("torch."),
+        "shape": tuple(values.shape),
+        "offsets": None if offsets is None else offsets.numpy(),
+    }
+
+
+def _jagged_parts(field: str, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, offsets)`` of a nested column, offsets starting at 0."""
+    if value.layout == torch.jagged and value.lengths() is None:
+        offsets = value.offsets().to(torch.int64)
+        values = value.values()
+        if int(offsets[0]) != 0 or int(offsets[-1]) != values.shape[0]:
+            values = values[int(offsets[0]) : int(offsets[-1])]
+            offsets = offsets - offsets[0]
+        return values, offsets
+    rows = list(value.unbind())
+    if not rows:
+        raise ValueError(f"field {field!r} is a nested tensor of 0 rows")
+    lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.int64)
+    return torch.cat(rows), torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+
+
+def unframe(frame: Frame) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(values, offsets)`` of a frame as tensors that view its (read-only) buffer: gather before writing."""
+    dtype = getattr(torch, frame["dtype"])
+    with warnings.catch_warnings():  # the object store's buffers are read-only; gather_rows copies
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(frame["bytes"])
+        offsets = None if frame["offsets"] is None else torch.from_numpy(frame["offsets"])
+    if raw.numel() == 0:  # numpy's empty buffer has stride 0, which a dtype view refuses
+        return torch.empty(frame["shape"], dtype=dtype), offsets
+    values = raw.view(dtype).reshape(frame["shape"])
+    return values, offsets
+
+
+def gather_rows(values: torch.Tensor, offsets: torch.Tensor | None, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows ``rows`` (int64 positions) of a column, as a fresh ``(values, offsets)``; offsets None for dense.
+
+    Example:
+        >>> v, o = gather_rows(torch.arange(5), torch.tensor([0, 2, 2, 5]), torch.tensor([2, 0]))
+        >>> v.tolist(), o.tolist()
+        ([2, 3, 4, 0, 1], [0, 3, 5])
+    """
+    if offsets is None:
+        return values.index_select(0, rows), None
+    lengths = offsets.diff().index_select(0, rows)
+    out_offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=out_offsets[1:])
+    starts = offsets.index_select(0, rows)
+    total = int(out_offsets[-1])
+    shift = torch.repeat_interleave(out_offsets[:-1] - starts, lengths, output_size=total)
+    return values.index_select(0, torch.arange(total, dtype=torch.int64) - shift), out_offsets
+
+
+def assemble_column(
+    field: str, locations: Sequence[Sequence[Any]], frames: Mapping[str, Frame]
+) -> torch.Tensor:
+    """The column of rows at ``locations`` (``(column id, row)`` each, in output order) from ``frames`` by column id.
+
+    Dense columns come back as ``(n, ...)`` tensors, jagged ones as nested tensors (jagged layout).
+
+    Raises:
+        ValueError: the rows come from columns of different kinds, dtypes or row shapes.
+    """
+    columns: dict[str, list[int]] = {}
+    for position, (column, _row) in enumerate(locations):
+        columns.setdefault(column, []).append(position)
+    parts = []
+    order: list[int] = []
+    for column, positions in columns.items():
+        values, offsets = unframe(frames[column])
+        picked = [locations[p][1] for p in positions]
+        stored = len(offsets) - 1 if offsets is not None else values.shape[0]
+        if picked == list(range(stored)):  # the whole column in its order (a get of what one put wrote): one copy
+            parts.append((values.clone(), None if offsets is None else offsets.clone()))
+        else:
+            parts.append(gather_rows(values, offsets, torch.tensor(picked, dtype=torch.int64)))
+        order.extend(positions)
+    kinds = {(p[1] is None, p[0].dtype, tuple(p[0].shape[1:])) for p in parts}
+    if len(kinds) > 1:
+        raise ValueError(f"field {field!r}: its rows were put with different kinds, dtypes or shapes: {sorted(map(str, kinds))}")
+    if len(parts) == 1:
+        values, offsets = parts[0]
+    else:
+        values, offsets = _concat(parts)
+        inverse = torch.empty(len(order), dtype=torch.int64)
+        inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order), dtype=torch.int64)
+        values, offsets = gather_rows(values, offsets, inverse)
+    if offsets is None:
+        return values
+    return torch.nested.nested_tensor_from_jagged(values, offsets)
+
+
+def _concat(parts: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    values = torch.cat([p[0] for p in parts])
+    if parts[0][1] is None:
+        return values, None
+    offsets = [torch.zeros(1, dtype=torch.int64)]
+    base = 0
+    for _values, part_offsets in parts:
+        offsets.append(part_offsets[1:] + base)
+        base += int(part_offsets[-1])
+    return values, torch.cat(offsets)
+
+
+def field_schema(data: TensorDict, frames: Mapping[str, Frame]) -> dict[str, dict[str, Any]]:
+    """TQ's field schema of a put (what ``extract_field_schema`` reports), read from the frames without unbinding rows."""
+    schema = {}
+    for field, frame in frames.items():
+        dtype = getattr(torch, frame["dtype"])
+        inner = tuple(frame["shape"][1:])
+        if frame["offsets"] is None:
+            shape = inner if inner else (1,)  # TQ reports an (N,) field's rows as (1,)
+            schema[field] = {"dtype": dtype, "shape": torch.Size(shape), "is_nested": False, "is_non_tensor": False}
+            continue
+        lengths = np.diff(frame["offsets"]).tolist()
+        schema[field] = {
+            "dtype": dtype,
+            "shape": torch.Size((lengths[0], *inner)),
+            "is_nested": True,
+            "is_non_tensor": False,
+            "per_sample_shapes": [(length, *inner) for length in lengths],
+        }
+    return schema
+
+
+# ---------------------------------------------------------------- the index
+
+
+@ray.remote(num_cpus=0)
+class ObjectStoreIndex:
+    """The live columns' object refs, and which column holds each ``(global index, field)``.
+
+    Borrows every column object (its writer owns it); serves one call at a
+    time, so its counts are consistent.
+    """
+
+    def __init__(self) -> None:
+        self._columns: dict[str, list[Any]] = {}  # column id -> [object ref, live rows, writer]
+        self._rows: dict[int, dict[str, str]] = {}  # global index -> {field: column id}
+
+    def register(self, writer: str, puts: Sequence[tuple[str, str, list[Any], Sequence[int]]]) -> None:
+        """Record columns ``(field, column id, [ref or frame], global indexes)`` put by ``writer``; releases the rows
+        they overwrite."""
+        for field, column, (ref,), indexes in puts:
+            self._columns[column] = [ref, len(indexes), writer]
+            for index in indexes:
+                fields = self._rows.setdefault(index, {})
+                old = fields.get(field)
+                fields[field] = column
+                if old is not None:
+                    self._release(old, 1)
+
+    def refs(self, columns: Sequence[str]) -> list[Any]:
+        """``[ref or frame, writer]`` of each column id, or None for a column that is not live."""
+        found = [self._columns.get(column) for column in columns]
+        return [[entry[0], entry[2]] if entry is not None else None for entry in found]
+
+    def clear(self, indexes: Sequence[int]) -> None:
+        """Release every field of the rows at ``indexes`` (unknown ones are ignored)."""
+        released: Counter[str] = Counter()
+        for index in indexes:
+            released.update(self._rows.pop(index, {}).values())
+        for column, count in released.items():
+            self._release(column, count)
+
+    def stats(self) -> dict[str, int]:
+        """``columns`` (live column objects) and ``rows`` (global indexes holding a field)."""
+        return {"columns": len(self._columns), "rows": len(self._rows)}
+
+    def process_id(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def _release(self, column: str, count: int) -> None:
+        entry = self._columns.get(column)
+        if entry is None:
+            return
+        entry[1] -= count
+        if entry[1] <= 0:
+            del self._columns[column]
+
+
+def start_index() -> Any:
+    """Start this TQ system's index actor (named :data:`INDEX_NAME`); the caller owns it."""
+    return ObjectStoreIndex.options(name=INDEX_NAME, namespace=INDEX_NAMESPACE, lifetime=None).remote()
+
+
+def find_index() -> Any:
+    """The running index actor.
+
+    Raises:
+        RuntimeError: none runs on this Ray cluster.
+    """
+    try:
+        return ray.get_actor(INDEX_NAME, namespace=INDEX_NAMESPACE)
+    except ValueError:
+        raise RuntimeError(
+            f"no {BACKEND} index is running on this Ray cluster (actor {INDEX_NAME!r} in namespace {INDEX_NAMESPACE!r}): "
+            "start TransferQueue with this backend first"
+        ) from None
+
+
+@StorageBootstrapProvider.register_provider(BACKEND)
+def _bootstrap(conf: Any) -> dict[str, Any]:
+    """TQ's start-up hook for this backend: start the index (stopped by :func:`adapters.tq_system.release`)."""
+    index = start_index()
+    ray.get(index.stats.remote())  # started and reachable before TQ's first client
+    return {"index": index}
+
+
+# ---------------------------------------------------------------- the storage manager
+
+
+@StorageManagerFactory.register(BACKEND)
+class RayObjectStorageManager(StorageManager):
+    """TQ's storage manager for :data:`BACKEND`: columns into Ray's object store, row locations to the controller."""
+
+    def __init__(self, controller_info: Any, config: Any, zmq_context: Any = None) -> None:
+        super().__init__(controller_info, config, zmq_context=zmq_context)
+        self._index = find_index()
+
+    async def put_data(self, data: TensorDict, metadata: Any, data_parser: Callable[[Any], Any] | None = None) -> None:
+        if data_parser is not None:
+            raise NotImplementedError(f"data_parser is not supported by the {BACKEND} backend")
+        indexes = list(metadata.global_indexes)
+        n = len(indexes)
+        if data.batch_size[0] != n:
+            raise ValueError(f"the put has {data.batch_size[0]} rows: its meta names {n} global indexes")
+        if n == 0:
+            return
+        frames = {field: frame_column(field, data.get(field), n) for field in data.keys()}
+        puts = []
+        backend_meta: dict[int, dict[str, Any]] = {index: {} for index in indexes}
+        for field, frame in frames.items():
+            column = uuid.uuid4().hex
+            stored = frame if frame["bytes"].nbytes < INLINE_BYTES else ray.put(frame)
+            puts.append((field, column, [stored], indexes))
+            for row, index in enumerate(indexes):
+                backend_meta[index][field] = (column, row)
+        await _wait(self._index.register.remote(_WRITER, puts))
+        await self.notify_data_update(metadata.partition_ids[0], indexes, field_schema(data, frames), backend_meta)
+
+    async def get_data(self, metadata: Any) -> TensorDict:
+        indexes = list(metadata.global_indexes)
+        fields = list(metadata.field_names)
+        backend = metadata._custom_backend_meta
+        locations: dict[str, list[Any]] = {}
+        for field in fields:
+            column = []
+            for index, per_field in zip(indexes, backend):
+                location = per_field.get(field)
+                if location is None:
+                    raise RuntimeError(f"{BACKEND}: no stored location for field {field!r} of global index {index}")
+                column.append(location)
+            locations[field] = column
+        wanted = sorted({location[0] for column in locations.values() for location in column})
+        found = await _wait(self._index.refs.remote(wanted))
+        lost = [column for column, entry in zip(wanted, found) if entry is None]
+        if lost:
+            field, index = next(
+                (f, indexes[i]) for f, column in locations.items() for i, loc in enumerate(column) if loc[0] in lost
+            )
+            raise RuntimeError(
+                f"{BACKEND}: the column holding field {field!r} of global index {index} is no longer stored "
+                f"({len(lost)} column(s) missing): it was cleared or overwritten while this get ran"
+            )
+        refs = [(column, entry[0]) for column, entry in zip(wanted, found) if isinstance(entry[0], ray.ObjectRef)]
+        frames = {column: entry[0] for column, entry in zip(wanted, found) if not isinstance(entry[0], ray.ObjectRef)}
+        try:
+            frames.update(zip([column for column, _ref in refs], await _wait_all([ref for _column, ref in refs])))
+        except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as error:
+            writers = sorted({entry[1] for entry in found})
+            raise RuntimeError(
+                f"{BACKEND}: rows of fields {fields} are lost: the process that wrote them died "
+                f"(writers of these rows: {', '.join(writers)})"
+            ) from error
+        columns = {field: assemble_column(field, column, frames) for field, column in locations.items()}
+        return TensorDict(columns, batch_size=[len(indexes)])
+
+    async def clear_data(self, metadata: Any) -> None:
+        await _wait(self._index.clear.remote(list(metadata.global_indexes)))
+
+
+async def _wait(ref: Any) -> Any:
+    # A blocking get on TQ's client loop: the caller waits for this operation anyway, and Ray's own
+    # blocking get answers sooner than awaiting the ref on a loop Ray does not drive.
+    return ray.get(ref)
+
+
+async def _wait_all(refs: Sequence[Any]) -> list[Any]:
+    return ray.get(list(refs)) if refs else []

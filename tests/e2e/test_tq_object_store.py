@@ -1,0 +1,109 @@
+"""TransferQueue on the ``RayObjectStore`` backend (:mod:`adapters.tq_object_store`), beyond the store contract.
+
+* No leaks: clearing every key, or rewriting every field, leaves the index holding no column of them.
+* A lost writer: rows whose writing process died raise, naming the writer, instead of coming back wrong
+  (columns small enough to live in the index survive it).
+* Cross-put gets: one get of rows from several puts returns each row's own data.
+* The other backend: the store contract suite passes on TransferQueue as shipped (SimpleStorage) too, in a
+  process of its own (one TransferQueue runs per Ray cluster).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import ray
+import torch
+from tensordict import TensorDict
+
+from adapters import tq_object_store
+from adapters.transfer_queue import TransferQueueStore
+from tests.e2e.conftest import ROOT, TQ_BACKEND
+
+pytestmark = pytest.mark.e2e
+
+on_object_store = pytest.mark.skipif(
+    TQ_BACKEND != tq_object_store.BACKEND, reason=f"the session's TransferQueue runs {TQ_BACKEND}"
+)
+
+
+def _columns() -> int:
+    return ray.get(tq_object_store.find_index().stats.remote())["columns"]
+
+
+def _jagged(rows: list[list[int]]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor([torch.tensor(r, dtype=torch.int64) for r in rows], layout=torch.jagged)
+
+
+@on_object_store
+def test_clear_and_rewrite_release_every_column(tq_store_session: TransferQueueStore, partition: str) -> None:
+    store = TransferQueueStore.attach()
+    before = _columns()
+    keys = ["a", "b", "c"]
+    store.put(keys, partition, TensorDict({"ids": _jagged([[1], [2, 3], []]), "r": torch.ones(3)}, batch_size=[3]))
+    assert _columns() == before + 2
+    store.put(keys, partition, TensorDict({"r": torch.zeros(3)}, batch_size=[3]))  # the old 'r' column is released
+    assert _columns() == before + 2
+    store.put(["a"], partition, TensorDict({"lp": torch.ones(1, 2)}, batch_size=[1]))
+    assert _columns() == before + 3
+    store.clear(["b", "c"], partition)  # 'ids' and 'r' still hold row 'a'
+    assert _columns() == before + 3
+    store.clear(["a"], partition)
+    assert _columns() == before
+    store.close()
+
+
+@on_object_store
+def test_a_get_of_rows_from_several_puts_returns_each_rows_data(
+    tq_store_session: TransferQueueStore, partition: str
+) -> None:
+    store = TransferQueueStore.attach()
+    store.put(["a", "b"], partition, TensorDict({"ids": _jagged([[1, 2], [3]])}, batch_size=[2]))
+    store.put(["c"], partition, TensorDict({"ids": _jagged([[4, 5, 6]])}, batch_size=[1]))
+    store.put(["b"], partition, TensorDict({"ids": _jagged([[7, 8]])}, batch_size=[1]))  # rewritten
+    got = store.get(["c", "b", "a"], partition, ["ids"])["ids"]
+    assert [row.tolist() for row in got.unbind()] == [[4, 5, 6], [7, 8], [1, 2]]
+    store.clear(["a", "b", "c"], partition)
+    store.close()
+
+
+@ray.remote(num_cpus=0)
+class _Writer:
+    def put(self, partition: str) -> int:
+        store = TransferQueueStore.attach()
+        big = torch.arange(tq_object_store.INLINE_BYTES // 8 + 1).reshape(1, -1)  # its own object, owned here
+        store.put(["w"], partition, TensorDict({"x": big, "small": torch.tensor([5])}, batch_size=[1]))
+        store.close()
+        return os.getpid()
+
+
+@on_object_store
+def test_rows_of_a_dead_writer_raise_naming_it(tq_store_session: TransferQueueStore, partition: str) -> None:
+    writer = _Writer.remote()
+    pid = ray.get(writer.put.remote(partition))
+    store = TransferQueueStore.attach()
+    assert int(store.get(["w"], partition, ["x"])["x"][0, -1]) == tq_object_store.INLINE_BYTES // 8  # writer lives
+    ray.kill(writer)
+    with pytest.raises(RuntimeError, match=rf"the process that wrote them died \(writers of these rows: pid {pid} "):
+        for _ in range(50):  # the owner's death reaches the object directory within moments
+            store.get(["w"], partition, ["x"])
+    assert store.get(["w"], partition, ["small"])["small"].tolist() == [5]  # a small column lives in the index
+    store.clear(["w"], partition)
+    store.close()
+
+
+def test_contract_suite_passes_on_simple_storage() -> None:
+    """The whole store contract suite, on TransferQueue's shipped SimpleStorage, in a fresh pytest process."""
+    if TQ_BACKEND == "SimpleStorage":
+        pytest.skip("the session itself runs SimpleStorage")
+    env = {**os.environ, "RLDP_TEST_TQ_BACKEND": "SimpleStorage"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "transfer_queue",
+         "tests/e2e/test_store_contract.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout

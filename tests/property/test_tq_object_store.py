@@ -1,0 +1,136 @@
+"""Laws of the ``RayObjectStore`` backend's column frames (:mod:`adapters.tq_object_store`), without Ray.
+
+* Round trip: a framed column unframes to the same dtype, shape and bits, for every torch dtype a store holds.
+* Gather: ``gather_rows`` equals picking the rows one by one.
+* Assembly: rows spread over any number of stored columns, asked for in any order, come back as the column
+  that holds exactly those rows in that order.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+from adapters.tq_object_store import assemble_column, field_schema, frame_column, gather_rows, unframe
+
+DTYPES = (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+    torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn,
+    torch.float8_e5m2, torch.complex64,
+)
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random bits of ``dtype`` (NaN payloads and all): bytes drawn uniformly, viewed as ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * size,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _jagged(lengths: list[int], dtype: torch.dtype, seed: int, inner: tuple[int, ...] = ()) -> torch.Tensor:
+    values = _random((sum(lengths), *inner), dtype, seed)
+    offsets = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64)
+    return torch.nested.nested_tensor_from_jagged(values, offsets)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_frame_round_trips_every_dtype_bitwise(dtype: torch.dtype) -> None:
+    dense = _random((5, 3), dtype, 1)
+    values, offsets = unframe(frame_column("x", dense, 5))
+    assert offsets is None and values.dtype == dtype and values.shape == dense.shape
+    assert torch.equal(_bits(values), _bits(dense))
+    jagged = _jagged([2, 0, 4], dtype, 2)
+    values, offsets = unframe(frame_column("y", jagged, 3))
+    assert values.dtype == dtype and offsets.tolist() == [0, 2, 2, 6]
+    assert torch.equal(_bits(values), _bits(jagged.values()))
+
+
+def test_frame_refuses_a_column_that_is_not_a_tensor_or_has_other_rows() -> None:
+    with pytest.raises(TypeError, match=r"field 'x' is a list"):
+        frame_column("x", [1, 2], 2)
+    with pytest.raises(ValueError, match=r"field 'x' has 3 rows: expected 2"):
+        frame_column("x", torch.zeros(3), 2)
+    with pytest.raises(ValueError, match=r"field 'y' has 1 rows: expected 2"):
+        frame_column("y", _jagged([2], torch.int64, 0), 2)
+
+
+def test_frame_of_a_jagged_view_starts_at_zero() -> None:
+    """A jagged column whose offsets do not start at 0 (a view into a larger buffer) is framed from its rows only."""
+    values = torch.arange(10)
+    view = torch.nested.nested_tensor_from_jagged(values, torch.tensor([3, 5, 8]))
+    framed_values, offsets = unframe(frame_column("x", view, 2))
+    assert framed_values.tolist() == [3, 4, 5, 6, 7] and offsets.tolist() == [0, 2, 5]
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 6), min_size=1, max_size=12), data=st.data())
+def test_gather_rows_equals_picking_rows_one_by_one(lengths: list[int], data: st.DataObject) -> None:
+    jagged = _jagged(lengths, torch.int32, len(lengths), inner=(2,))
+    rows = data.draw(st.lists(st.integers(0, len(lengths) - 1), max_size=15))
+    values, offsets = gather_rows(jagged.values(), jagged.offsets(), torch.tensor(rows, dtype=torch.int64))
+    expected = [jagged.values()[jagged.offsets()[r] : jagged.offsets()[r + 1]] for r in rows]
+    assert offsets.diff().tolist() == [len(e) for e in expected]
+    assert torch.equal(values, torch.cat(expected) if expected else values.new_empty((0, 2)))
+    dense = _random((len(lengths), 3), torch.float32, 3)
+    picked, none = gather_rows(dense, None, torch.tensor(rows, dtype=torch.int64))
+    assert none is None and torch.equal(_bits(picked), _bits(dense[rows]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 5), min_size=1, max_size=14),
+    jagged=st.booleans(),
+    data=st.data(),
+)
+def test_assembly_from_any_split_equals_the_selected_rows(lengths: list[int], jagged: bool, data: st.DataObject) -> None:
+    n = len(lengths)
+    whole = _jagged(lengths, torch.float16, n) if jagged else _random((n, 2), torch.float16, n)
+    rows_of = lambda r: whole[r] if jagged else whole[r]  # noqa: E731
+    # the rows are spread over puts: each put stores a subset of rows, in a shuffled order
+    order = data.draw(st.permutations(range(n)))
+    cuts = sorted(data.draw(st.lists(st.integers(1, n - 1), max_size=3, unique=True))) if n > 1 else []
+    puts = [order[a:b] for a, b in zip([0, *cuts], [*cuts, n])]
+    frames, where = {}, {}
+    for i, rows in enumerate(puts):
+        part = torch.nested.as_nested_tensor([rows_of(r) for r in rows], layout=torch.jagged) if jagged else whole[list(rows)]
+        frames[f"c{i}"] = frame_column("x", part, len(rows))
+        where.update({r: (f"c{i}", position) for position, r in enumerate(rows)})
+    asked = data.draw(st.lists(st.sampled_from(range(n)), min_size=1, max_size=n, unique=True))
+    got = assemble_column("x", [where[r] for r in asked], frames)
+    if jagged:
+        assert got.offsets().diff().tolist() == [lengths[r] for r in asked]
+        assert torch.equal(_bits(got.values()), _bits(torch.cat([rows_of(r) for r in asked])))
+    else:
+        assert torch.equal(_bits(got), _bits(whole[asked]))
+
+
+def test_assembly_refuses_rows_of_different_dtypes() -> None:
+    frames = {"a": frame_column("x", torch.zeros(2, dtype=torch.int8), 2), "b": frame_column("x", torch.zeros(2), 2)}
+    with pytest.raises(ValueError, match=r"field 'x': its rows were put with different"):
+        assemble_column("x", [("a", 0), ("b", 1)], frames)
+
+
+def test_field_schema_reports_what_transfer_queue_reports() -> None:
+    from tensordict import TensorDict
+    from transfer_queue.metadata import extract_field_schema
+
+    td = TensorDict(
+        {"j": _jagged([2, 3], torch.int64, 0, inner=(4,)), "d": torch.zeros(2, 3), "v": torch.zeros(2)}, batch_size=[2]
+    )
+    frames = {name: frame_column(name, td.get(name), 2) for name in td.keys()}
+    ours, theirs = field_schema(td, frames), extract_field_schema(td)
+    for name in td.keys():
+        assert ours[name]["dtype"] == theirs[name]["dtype"]
+        assert tuple(ours[name]["shape"]) == tuple(theirs[name]["shape"])
+        assert ours[name]["is_nested"] == theirs[name]["is_nested"]
+        assert ours[name].get("per_sample_shapes") == theirs[name].get("per_sample_shapes")
