@@ -34,15 +34,25 @@ if TYPE_CHECKING:  # the worker calls these methods; importing it here would be 
 Outputs = Mapping[str, torch.Tensor]
 
 
+def _per_row_columns(instance: StoreShard, attribute: attrs.Attribute[Any], value: Mapping[str, torch.Tensor]) -> None:
+    for name, column in value.items():
+        if not isinstance(column, torch.Tensor) or column.dim() < 1 or column.shape[0] != len(instance.meta):
+            got = tuple(column.shape) if isinstance(column, torch.Tensor) else type(column).__name__
+            raise ValueError(f"'columns[{name!r}]' must be a tensor with one row per key ({len(instance.meta)}): got {got}")
+
+
 @attrs.frozen
 class StoreShard:
     """A data-plane rank input: the shard's meta; the worker fetches its rows by key and writes results back.
 
     Args:
         meta: the rank's shard of the step meta (keys, lengths, ``extra_info``).
+        columns: small per-row columns the driver holds (advantages, sample mask), the shard's rows in
+            ``meta.keys`` order; they travel with the call and are not fetched.
     """
 
     meta: KVBatchMeta = attrs.field(validator=attrs.validators.instance_of(KVBatchMeta))
+    columns: Mapping[str, torch.Tensor] = attrs.field(factory=dict, validator=_per_row_columns)
 
     @property
     def extra_info(self) -> FrozenDict:
@@ -50,8 +60,14 @@ class StoreShard:
         return self.meta.extra_info
 
     def rows(self, worker: PolicyWorker, fields: Sequence[str]) -> TensorDict:
-        """The rank batch, fetched from the store as the worker's ``fetch_policy`` says."""
-        return worker.fetch(self.meta, fields=fields)
+        """The rank batch: the fields the driver holds from ``columns``, the others fetched from the store as the
+        worker's ``fetch_policy`` says."""
+        fetched = [name for name in fields if name not in self.columns]
+        batch = worker.fetch(self.meta, fields=fetched)
+        for name in fields:
+            if name in self.columns:
+                batch.set(name, self.columns[name])
+        return batch
 
     def deliver(self, worker: PolicyWorker, outputs: Outputs) -> dict[str, Any]:
         """Write ``outputs`` (per-token) under the shard's keys from the replica leader; report the store I/O."""

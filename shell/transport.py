@@ -219,6 +219,14 @@ class LegacyTransport:
 # ---------------------------------------------------------------- data plane: rows through the store
 
 
+HELD_ROW_BYTES = 256
+"""A written column whose rows take at most this many bytes each stays on the driver (:meth:`DataPlaneTransport.write`)."""
+
+
+def _row_bytes(column: torch.Tensor, n: int) -> int:
+    return column.element_size() * column.numel() // max(n, 1) if not column.is_nested else HELD_ROW_BYTES + 1
+
+
 class DataPlaneTransport:
     """Rows through a store: the rollout writes them once, workers fetch their shards by key and write back.
 
@@ -239,6 +247,7 @@ class DataPlaneTransport:
         self.client_factory: ClientFactory = client_factory
         self.partition_id: str = partition_id
         self._open: dict[str, None] = {}  # keys written in the open step, in write order
+        self._held: list[tuple[dict[str, int], dict[str, torch.Tensor]]] = []  # driver-held writes: (key -> row, columns)
         self._io = {"ms": 0.0, "bytes": 0.0}
         self._bytes = 0
 
@@ -252,7 +261,12 @@ class DataPlaneTransport:
     def rank_inputs(
         self, rows: StepRows, shards: Sequence[KVBatchMeta], unsorted: Sequence[int], fields: Sequence[str]
     ) -> list[RankInput]:
-        return [StoreShard(shard) for shard in shards]
+        inputs: list[RankInput] = []
+        for shard in shards:
+            columns = {name: rows_ for name in fields if (rows_ := self._held_rows(shard.keys, name)) is not None}
+            self._bytes += tensor_bytes(columns)
+            inputs.append(StoreShard(shard, columns))
+        return inputs
 
     def collect(
         self, rows: StepRows, results: Sequence[Mapping[str, Any]], unsorted: Sequence[int], names: Sequence[str]
@@ -262,14 +276,49 @@ class DataPlaneTransport:
         return rows.with_meta(rows.meta.with_fields(names)) if names else rows
 
     def write(self, rows: StepRows, columns: Mapping[str, torch.Tensor]) -> StepRows:
-        meta = write_columns(self.client, rows.meta, dict(columns), token_fields=())
-        self._bytes += tensor_bytes(columns)
-        return rows.with_meta(meta)
+        """Small per-row columns (at most :data:`HELD_ROW_BYTES` a row) stay on the driver and travel with the
+        next calls' rank inputs; larger ones are written to the store."""
+        keys = rows.meta.keys
+        held = {n: c for n, c in columns.items() if _row_bytes(c, len(keys)) <= HELD_ROW_BYTES}
+        stored = {n: c for n, c in columns.items() if n not in held}
+        meta = rows.meta
+        if stored:
+            meta = write_columns(self.client, meta, stored, token_fields=())
+            self._bytes += tensor_bytes(stored)
+        if held:
+            self._held.append(({key: i for i, key in enumerate(keys)}, dict(held)))
+        return rows.with_meta(meta.with_fields(held) if held else meta)
 
     def read(self, rows: StepRows, names: Sequence[str]) -> TensorDict:
-        return read_columns(self.client, rows.meta, list(names))
+        keys = rows.meta.keys
+        held = {name: column for name in names if (column := self._held_rows(keys, name)) is not None}
+        stored = [name for name in names if name not in held]
+        out = read_columns(self.client, rows.meta, stored) if stored else build_tensordict({}, len(keys))
+        for name, column in held.items():
+            out.set(name, column)
+        return out
+
+    def _held_rows(self, keys: Sequence[str], name: str) -> torch.Tensor | None:
+        """The latest driver-held write of ``name`` for each of ``keys``, in order; None unless every key has one."""
+        picks = []
+        for key in keys:
+            found = next(
+                ((b, positions[key]) for b in range(len(self._held) - 1, -1, -1)
+                 if name in self._held[b][1] and key in (positions := self._held[b][0])),
+                None,
+            )
+            if found is None:
+                return None
+            picks.append(found)
+        if not picks:
+            return None
+        blocks = {b for b, _ in picks}
+        if len(blocks) == 1:
+            return self._held[blocks.pop()][1][name].index_select(0, torch.tensor([p for _, p in picks], dtype=torch.long))
+        return torch.stack([self._held[b][1][name][p] for b, p in picks])
 
     def finish(self, rows: StepRows) -> TransportReport:
+        self._held = []
         self._clear(list(self._open))
         delta = getattr(self.client, "step_delta", None)
         if delta is not None:
@@ -285,12 +334,15 @@ class DataPlaneTransport:
         )
 
     def abort(self) -> None:
+        self._held = []
         self._clear(list(self._open))
 
     def _clear(self, keys: Sequence[str]) -> None:
         clear_stored(self.client, keys, self.partition_id)
         for key in keys:
             self._open.pop(key, None)
+            for positions, _columns in self._held:
+                positions.pop(key, None)
 
     def _add_io(self, io: Mapping[str, float]) -> None:
         for name in self._io:
