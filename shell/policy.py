@@ -17,7 +17,7 @@ before the error reaches the caller, so no key outlives a failed step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, get_args
 
 import attrs
@@ -173,17 +173,20 @@ class Policy:
         """``rows`` stamped with the step's one ``global_forward_pad_seqlen`` (see :func:`core.step_plan.stamp_step`)."""
         return rows.with_meta(stamp_step(rows.meta, multiple=self.config.layout.step_pad_multiple))
 
-    def logprobs(self, rows: StepRows, *, reference: bool = False) -> StepRows:
+    def logprobs(self, rows: StepRows, *, reference: bool = False, prefetch: Sequence[str] = ()) -> StepRows:
         """``rows`` with ``prev_logprobs`` (and, with ``reference``, ``reference_policy_logprobs``) of every row.
 
         Both come from one fetch and one write-back (or one gather) per replica.
+        ``prefetch``: fields the step's ``train`` call will read (e.g. the loss's
+        ``input_fields``); on the data plane each rank reads those already stored
+        in the same fetch and keeps them, with what it writes back, for ``train``.
         """
         names = (PREV_LOGPROBS, REFERENCE_LOGPROBS) if reference else (PREV_LOGPROBS,)
         _check_prepared(rows)
         with self._releasing_on_failure():
             shards, unsorted = shard_step(rows.meta, self.config.layout, train=False)
             inputs = self.transport.rank_inputs(rows, shards, unsorted, fields=(INPUT_IDS, *self.config.replay_fields))
-            results = self.group.call(PolicyWorker.logprobs, inputs, outputs=names)
+            results = self.group.call(PolicyWorker.logprobs, inputs, outputs=names, prefetch=tuple(prefetch))
             return self.transport.collect(rows, results, unsorted, names)
 
     def train(self, rows: StepRows, loss_fn: Any) -> TrainResult:

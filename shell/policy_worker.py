@@ -43,13 +43,14 @@ from adapters.model_port import PolicyBackend
 from adapters.rows import build_tensordict
 from adapters.store_port import DataPlaneClient
 from core.codec import Layout
-from core.fields import INPUT_IDS, LENGTHS, PREV_LOGPROBS, REFERENCE_LOGPROBS, ROUTED_EXPERTS
+from core.fields import GLOBAL_FORWARD_PAD_SEQLEN, INPUT_IDS, LENGTHS, PREV_LOGPROBS, REFERENCE_LOGPROBS, ROUTED_EXPERTS
 from core.meta import KVBatchMeta
 from core.model_config import TinyGPTConfig
 from core.step_plan import micro_batch_spans
 from shell.column_io import read_columns, write_columns
 from shell.rank_input import RankInput
-from shell.model_worker import ModelWorker
+from shell.model_worker import ClientFactory, ModelWorker
+from shell.row_cache import StepRowCache
 from shell.worker import on_all_ranks, sharded
 
 FetchPolicy = Literal["auto", "independent", "leader_broadcast"]
@@ -153,6 +154,10 @@ class PolicyWorker(ModelWorker):
     CONFIG = PolicyWorkerConfig
     config: PolicyWorkerConfig
 
+    def __init__(self, config: Any, client_factory: ClientFactory | None = None) -> None:
+        super().__init__(config, client_factory)
+        self._row_cache = StepRowCache()
+
     # ------------------------------------------------------------ set-up
 
     @on_all_ranks
@@ -245,10 +250,10 @@ class PolicyWorker(ModelWorker):
         names = list(meta.fields if fields is None else fields)
         group = self.replica_group()
         if policy == "independent" or (policy == "auto" and group is None):
-            return fetch_rank_batch(self.client, meta, names, layout=layout)
+            return self._read_rows(meta, names, layout)
         if self.is_replica_leader:
             try:
-                batch = fetch_rank_batch(self.client, meta, names, layout=layout)
+                batch = self._read_rows(meta, names, layout)
             except BaseException:
                 if group is not None:  # tell the replica group, so none waits in the broadcast
                     with contextlib.suppress(TypeError):
@@ -259,14 +264,54 @@ class PolicyWorker(ModelWorker):
             tensors = self.broadcast_from_leader(None)
         return build_tensordict(tensors, len(meta))
 
+    def _read_rows(self, meta: KVBatchMeta, names: list[str], layout: Layout) -> TensorDict:
+        """This rank's read of ``meta``'s rows: the rows of this step it holds (:class:`shell.row_cache.StepRowCache`)
+        and the rest from the store, in ``meta.keys`` order."""
+        pad = meta.extra_info.get(GLOBAL_FORWARD_PAD_SEQLEN)
+        if layout != "padded" or pad is None or not names:
+            return fetch_rank_batch(self.client, meta, names, layout=layout)
+        cache, keys, pad = self._row_cache, meta.keys, int(pad)
+        whole = [name for name in names if not cache.split(keys, [name], pad)[1]]  # cached for every row
+        rest = [name for name in names if name not in whole]
+        hits, misses = cache.split(keys, rest, pad) if rest else (list(range(len(keys))), [])
+        if not whole and not hits:
+            batch = fetch_rank_batch(self.client, meta, names, layout=layout)
+            cache.remember_fetched(keys, {name: batch[name] for name in names}, pad)
+            return batch
+        columns = cache.gather(keys, whole, pad)
+        if rest and not hits:  # the rest of the fields, for every row, from the store
+            fetched = fetch_rank_batch(self.client, meta, rest, layout=layout)
+            cache.remember_fetched(keys, {name: fetched[name] for name in rest}, pad)
+            columns.update({name: fetched[name] for name in rest})
+        elif rest:
+            parts = cache.gather([keys[i] for i in hits], rest, pad)
+            if misses:
+                missed = meta.subset(misses)
+                fetched = fetch_rank_batch(self.client, missed, rest, layout=layout)
+                cache.remember_fetched(missed.keys, {name: fetched[name] for name in rest}, pad)
+                inverse = torch.empty(len(keys), dtype=torch.long)
+                inverse[torch.tensor(hits + misses, dtype=torch.long)] = torch.arange(len(keys))
+                parts = {name: torch.cat([parts[name], fetched[name]]).index_select(0, inverse) for name in rest}
+            columns.update(parts)
+        columns[LENGTHS] = torch.tensor(meta.sequence_lengths, dtype=torch.long)
+        return build_tensordict({name: columns[name] for name in [*names, LENGTHS]}, len(keys))
+
     def write_back(self, meta: KVBatchMeta, fields: Mapping[str, torch.Tensor], *, token_fields: Sequence[str] = ()) -> bool:
         """Write ``fields`` under ``meta``'s keys from the replica leader only; whether this rank wrote.
 
-        Per-token fields (``token_fields``) are trimmed to each row's length.
+        Per-token fields (``token_fields``) are trimmed to each row's length. The leader keeps what it wrote for
+        this step's later reads (the train call).
         """
         if not self.is_replica_leader:
             return False
         write_columns(self.client, meta, dict(fields), token_fields=list(token_fields))
+        pad = meta.extra_info.get(GLOBAL_FORWARD_PAD_SEQLEN)
+        if pad is not None and meta.sequence_lengths is not None:
+            tokens = {name: value for name, value in fields.items() if name in token_fields}
+            others = {name: value for name, value in fields.items() if name not in token_fields}
+            self._row_cache.remember_written(meta.keys, tokens, meta.sequence_lengths, int(pad))
+            if others:
+                self._row_cache.remember_fetched(meta.keys, others, int(pad))
         return True
 
     def store_io(self) -> dict[str, float]:
@@ -276,11 +321,15 @@ class PolicyWorker(ModelWorker):
     # ------------------------------------------------------------ the two computations
 
     @sharded
-    def logprobs(self, shard: RankInput, *, outputs: Sequence[str] = (PREV_LOGPROBS,)) -> dict[str, Any]:
+    def logprobs(
+        self, shard: RankInput, *, outputs: Sequence[str] = (PREV_LOGPROBS,), prefetch: Sequence[str] = ()
+    ) -> dict[str, Any]:
         """Per-token log-probs FloatTensor[B, S] of the rank's rows, one per name in ``outputs``.
 
         ``outputs`` names ``prev_logprobs`` (the policy), ``reference_policy_logprobs``
         (the frozen reference), or both: one fetch and one delivery serve them all.
+        ``prefetch`` names fields the step's train call will read: a store shard
+        reads those already stored in the same fetch, and the rank keeps them.
 
         Returns:
             Small stats (rank, rows, micro-batch counts, forward length), plus
@@ -294,7 +343,7 @@ class PolicyWorker(ModelWorker):
         unknown = [n for n in names if n not in LOGPROB_OUTPUTS]
         if not names or unknown:
             raise ValueError(f"'outputs' must name some of {list(LOGPROB_OUTPUTS)}: got {list(names)}")
-        batch = shard.rows(self, [INPUT_IDS, *self.config.replay_fields])
+        batch = shard.rows(self, [INPUT_IDS, *self.config.replay_fields], also=prefetch)
         plan = micro_batch_spans(shard.extra_info, len(batch))
         input_ids, lengths = batch[INPUT_IDS], batch[LENGTHS]
         routed = batch[ROUTED_EXPERTS] if self.config.router_replay else None
@@ -324,6 +373,7 @@ class PolicyWorker(ModelWorker):
         for step in plan:
             micro_batches = [{name: t[a:b] for name, t in tensors.items()} for a, b in step]
             steps.append(self.backend.train_step(micro_batches, loss_fn))
+        self._row_cache.clear()  # the step's rows are done with
         return {
             **self._stats(batch, plan),
             "loss": [s["loss"] for s in steps],

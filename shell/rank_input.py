@@ -59,10 +59,12 @@ class StoreShard:
         """The shard's ``extra_info`` (pad length, micro-batch spans)."""
         return self.meta.extra_info
 
-    def rows(self, worker: PolicyWorker, fields: Sequence[str]) -> TensorDict:
+    def rows(self, worker: PolicyWorker, fields: Sequence[str], *, also: Sequence[str] = ()) -> TensorDict:
         """The rank batch: the fields the driver holds from ``columns``, the others fetched from the store as the
-        worker's ``fetch_policy`` says."""
+        worker's ``fetch_policy`` says; ``also``'s stored fields are read in the same fetch, for a later call
+        of the step (the worker keeps them)."""
         fetched = [name for name in fields if name not in self.columns]
+        fetched += [name for name in also if name in self.meta.fields and name not in self.columns and name not in fetched]
         batch = worker.fetch(self.meta, fields=fetched)
         for name in fields:
             if name in self.columns:
@@ -87,8 +89,8 @@ class InlineShard:
     data: TensorDict = attrs.field(validator=attrs.validators.instance_of(TensorDict))
     extra_info: FrozenDict = attrs.field(factory=FrozenDict, converter=freeze)
 
-    def rows(self, worker: PolicyWorker, fields: Sequence[str]) -> TensorDict:
-        """The rank batch as shipped (every field the driver sliced)."""
+    def rows(self, worker: PolicyWorker, fields: Sequence[str], *, also: Sequence[str] = ()) -> TensorDict:
+        """The rank batch as shipped (every field the driver sliced); ``also`` is for store shards only."""
         return self.data
 
     def deliver(self, worker: PolicyWorker, outputs: Outputs) -> dict[str, Any]:
