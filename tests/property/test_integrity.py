@@ -18,6 +18,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
+from core.dtypes import BIT_VIEWS, from_bits, to_bits
 from core.codec import to_jagged
 from core.integrity import digest_matrix, mismatched_rows, object_row_digests, tensor_row_digests
 from tests.property.strategies import digest_columns, digest_dense_rows, digest_object_rows
@@ -141,28 +142,32 @@ def test_tensor_row_digests_detect_each_corruption(x: torch.Tensor, data: st.Dat
     lengths = [x.shape[1]] * x.shape[0]
     bits = x[row].reshape(-1).view(torch.uint8)
     corrupted = []
-    changed = x.clone()
-    changed[row, 0] = ~changed[row, 0] if x.dtype == torch.bool else changed[row, 0] + 1
+    if x.dtype in BIT_VIEWS:  # no arithmetic kernels (uint16/32/64, float8): change the element's lowest bit
+        changed = _flip_bit(x, row, 0, 0)
+    else:
+        changed = x.clone()
+        changed[row, 0] = ~changed[row, 0] if x.dtype == torch.bool else changed[row, 0] + 1
     if not torch.equal(changed[row].reshape(-1).view(torch.uint8), bits):  # e.g. a float too large to move by 1
         corrupted.append(tensor_row_digests(changed))
     short = list(lengths)
     short[row] -= 1
     corrupted.append(tensor_row_digests(to_jagged(x, short)))
-    permuted = x.clone()
-    permuted[row] = x[row].roll(1)
+    xb = to_bits(x)  # moves, copies and swaps of elements on the bit view (uint16/32/64 and float8 lack kernels)
+    permuted = xb.clone()
+    permuted[row] = xb[row].roll(1)
     if not torch.equal(permuted[row].reshape(-1).view(torch.uint8), bits):
-        corrupted.append(tensor_row_digests(permuted))
-    constant = x.clone()
-    constant[row] = x[row, 0]
+        corrupted.append(tensor_row_digests(from_bits(permuted, x.dtype)))
+    constant = xb.clone()
+    constant[row] = xb[row, 0]
     if not torch.equal(constant[row].reshape(-1).view(torch.uint8), bits):
-        corrupted.append(tensor_row_digests(constant))
+        corrupted.append(tensor_row_digests(from_bits(constant, x.dtype)))
     for digests in corrupted:
         assert mismatched_rows(base, digests) == (row,)
     other = (row + 1) % x.shape[0]
     if not torch.equal(x[row].reshape(-1).view(torch.uint8), x[other].reshape(-1).view(torch.uint8)):
-        swapped = x.clone()
-        swapped[[row, other]] = x[[other, row]]
-        assert set(mismatched_rows(base, tensor_row_digests(swapped))) == {row, other}
+        swapped = xb.clone()
+        swapped[[row, other]] = xb[[other, row]]
+        assert set(mismatched_rows(base, tensor_row_digests(from_bits(swapped, x.dtype)))) == {row, other}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.int64])
