@@ -50,6 +50,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from core.checks import check_int_entries
 from core.codec import is_jagged
+from core.dtypes import CODEC_DTYPE_NAMES, check_codec_dtype, dtype_from_name
 
 Kind = Literal["dense", "jagged", "object_array", "non_tensor_stack"]
 Shape = tuple[int, ...]
@@ -60,11 +61,6 @@ KINDS: tuple[str, ...] = get_args(Kind)
 TENSOR_KINDS = frozenset({"dense", "jagged"})
 OBJECT_DTYPE = "object"
 
-_DTYPES: dict[str, torch.dtype] = {
-    name: dtype
-    for name in dir(torch)
-    if isinstance(dtype := getattr(torch, name), torch.dtype) and str(dtype) == f"torch.{name}"
-}
 
 
 # ---------------------------------------------------------------- spec
@@ -87,14 +83,14 @@ class ColumnSpec:
 
     Args:
         kind: one of ``"dense"``, ``"jagged"``, ``"object_array"``, ``"non_tensor_stack"``.
-        dtype: the torch dtype name (``"bfloat16"``) for tensor kinds; ``"object"``
-            for the object kinds.
+        dtype: the torch dtype name (``"bfloat16"``) for tensor kinds, one of
+            ``core.dtypes.CODEC_DTYPE_NAMES``; ``"object"`` for the object kinds.
         shape: the dims after the batch dim (``dense``, ``object_array``,
             ``non_tensor_stack``) or after the ragged dim (``jagged``).
 
     Raises:
         TypeError: ``dtype`` is not a str, or ``shape`` is not a sequence of ints.
-        ValueError: unknown ``kind``; ``dtype`` is not a torch dtype name for a
+        ValueError: unknown ``kind``; ``dtype`` is not a carried dtype name for a
             tensor kind, or not ``"object"`` for an object kind; a negative size.
 
     Example:
@@ -109,9 +105,10 @@ class ColumnSpec:
 
     def __attrs_post_init__(self) -> None:
         if self.kind in TENSOR_KINDS:
-            if self.dtype not in _DTYPES:
+            if self.dtype not in CODEC_DTYPE_NAMES:
                 raise ValueError(
-                    f"'dtype' must name a torch dtype for a {self.kind} column (e.g. 'float32'): got {self.dtype!r}"
+                    f"'dtype' must name a carried torch dtype for a {self.kind} column (one of "
+                    f"{', '.join(CODEC_DTYPE_NAMES)}): got {self.dtype!r}"
                 )
         elif self.dtype != OBJECT_DTYPE:
             raise ValueError(f"'dtype' must be {OBJECT_DTYPE!r} for a {self.kind} column: got {self.dtype!r}")
@@ -125,7 +122,7 @@ class ColumnSpec:
         """
         if self.kind not in TENSOR_KINDS:
             raise ValueError(f"a {self.kind} column has no torch dtype: its 'dtype' is {self.dtype!r}")
-        return _DTYPES[self.dtype]
+        return dtype_from_name(self.dtype)
 
     def describe(self) -> str:
         """A short human-readable form of the column, e.g. ``"jagged bfloat16 (N, j, 4)"``."""
@@ -234,7 +231,8 @@ def split_column(name: str, value: Any, n: int) -> tuple[ColumnSpec, Rows]:
     Raises:
         TypeError: ``value`` is of another kind (a nested TensorDict, a strided
             nested tensor, a sparse tensor, a batch-wide ``NonTensorData`` that is
-            not an object array, a numpy array of a non-object dtype, ...).
+            not an object array, a numpy array of a non-object dtype, ...), or a
+            tensor of a dtype not in ``core.dtypes.CODEC_DTYPES``.
         ValueError: ``value`` does not have ``n`` rows, or a jagged tensor is
             ragged along a dim other than 1.
 
@@ -294,7 +292,7 @@ def _tensor_spec(field: str, value: torch.Tensor, n: int) -> ColumnSpec:
         if ragged != [1]:
             raise ValueError(f"{field} must be a jagged tensor ragged along dim 1: got ragged dims {ragged}")
         _check_rows(field, shape[0], n)
-        return ColumnSpec("jagged", _dtype_name(value.dtype), tuple(shape[2:]))
+        return ColumnSpec("jagged", _dtype_name(check_codec_dtype(value.dtype, field)), tuple(shape[2:]))
     if value.is_nested:
         raise TypeError(
             f"{field} must be dense or a torch.jagged nested tensor: got a nested tensor with layout "
@@ -305,7 +303,7 @@ def _tensor_spec(field: str, value: torch.Tensor, n: int) -> ColumnSpec:
     if len(shape) == 0:
         raise ValueError(f"{field} must have a batch dim of {n} rows: got a 0-d tensor")
     _check_rows(field, shape[0], n)
-    return ColumnSpec("dense", _dtype_name(value.dtype), tuple(shape[1:]))
+    return ColumnSpec("dense", _dtype_name(check_codec_dtype(value.dtype, field)), tuple(shape[1:]))
 
 
 def _copy_tensor(t: torch.Tensor) -> torch.Tensor:

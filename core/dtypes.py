@@ -2,8 +2,12 @@
 
 :data:`CODEC_DTYPES` lists every dtype that the jagged codec
 (:mod:`core.codec`), the column codec (``adapters.rows``) and every store
-move bit for bit. Any other dtype (sub-byte, quantized, ``complex32``,
-``float8_e8m0fnu``) is refused with a ``TypeError`` naming the field.
+move bit for bit. Any other dtype is refused with a ``TypeError`` naming the
+field: sub-byte and quantized dtypes, ``complex32`` and ``float8_e8m0fnu``
+(too few kernels: no zero to pad with, in the latter), and ``complex128``
+(torch 2.13 crashes with a segmentation fault concatenating complex128 rows
+that are only 8-byte aligned, which is how TransferQueue's storage hands rows
+back; there is no 16-byte integer to view them as).
 
 torch lacks a few kernels and its pickling for some of these dtypes:
 ``masked_select`` / ``masked_scatter_`` for ``uint16``/``uint32``/``uint64``,
@@ -41,7 +45,6 @@ NATIVE_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
     torch.float64,
     torch.complex64,
-    torch.complex128,
 )
 """The carried dtypes torch fully supports: they travel as they are."""
 

@@ -881,8 +881,8 @@ def row_entropies(draw: st.DrawFn, *, max_rows: int = 20) -> tuple[list[float], 
 
 # ---------------------------------------------------------------- integrity (core/integrity.py digests)
 
-DIGEST_DTYPES = CODEC_DTYPES
-"""Every carried dtype: element widths of 1, 2, 4, 8 and 16 bytes (complex128 is two 8-byte words)."""
+DIGEST_DTYPES = (*CODEC_DTYPES, torch.complex128)
+"""Every carried dtype, and complex128 for a 16-byte element (two 8-byte words): widths 1, 2, 4, 8 and 16 bytes."""
 
 
 def _digest_tensor(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

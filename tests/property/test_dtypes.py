@@ -85,7 +85,7 @@ def test_codec_dtypes_are_the_native_ones_and_the_bit_viewed_ones() -> None:
     assert dtype_from_name("float8_e5m2") is torch.float8_e5m2
 
 
-@pytest.mark.parametrize("dtype", [torch.uint4, torch.int2, torch.complex32, torch.float8_e8m0fnu, torch.qint8], ids=str)
+@pytest.mark.parametrize("dtype", [torch.uint4, torch.int2, torch.complex32, torch.complex128, torch.float8_e8m0fnu, torch.qint8], ids=str)
 def test_check_codec_dtype_rejects_dtypes_not_carried(dtype: torch.dtype) -> None:
     """A dtype outside CODEC_DTYPES is a TypeError naming the holder, the dtype and the carried ones."""
     with pytest.raises(TypeError, match=rf"field 'x' must have one of the dtypes the data plane carries \(bool, .*\): got {dtype}"):

@@ -220,10 +220,16 @@ def test_split_column_rejects_wrong_row_count() -> None:
         (TensorDict({"a": torch.zeros(2)}, batch_size=[2]), r"field 'c' must be a tensor.*got a nested TensorDict"),
         (torch.zeros(2, 2).to_sparse(), r"field 'c' must be a strided \(dense\) tensor: got layout torch.sparse_coo"),
         ([1, 2], r"field 'c' must be a tensor, jagged tensor, object array or NonTensorStack: got list"),
+        (torch.zeros(2, 3, dtype=torch.uint4), r"field 'c' must have one of the dtypes the data plane carries .*: got torch.uint4"),
+        (torch.zeros(2, dtype=torch.complex128), r"field 'c' must have one of the dtypes .*: got torch.complex128"),
+        (
+            torch.nested.nested_tensor_from_jagged(torch.zeros(3, dtype=torch.uint8).view(torch.float8_e8m0fnu), torch.tensor([0, 1, 3])),
+            r"field 'c' must have one of the dtypes .*: got torch.float8_e8m0fnu",
+        ),
     ],
 )
 def test_split_column_rejects_unsupported_kinds(value: Any, match: str) -> None:
-    """Values that are not one of the four kinds raise TypeError naming the field."""
+    """Values that are not one of the four kinds, or tensors of a dtype not carried, raise TypeError naming the field."""
     with pytest.raises(TypeError, match=match):
         split_column("c", value, 2)
 
@@ -264,8 +270,10 @@ def test_column_spec_rejects_invalid_values() -> None:
     """Unknown kinds, dtypes that do not fit the kind, and bad shapes are rejected on construction."""
     with pytest.raises(ValueError, match=r"'kind' must be one of"):
         ColumnSpec("ragged", "float32")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"'dtype' must name a torch dtype for a dense column \(e.g. 'float32'\): got 'float'"):
+    with pytest.raises(ValueError, match=r"'dtype' must name a carried torch dtype for a dense column \(one of bool, .*\): got 'float'"):
         ColumnSpec("dense", "float")
+    with pytest.raises(ValueError, match=r"'dtype' must name a carried torch dtype for a jagged column .*got 'complex128'"):
+        ColumnSpec("jagged", "complex128")
     with pytest.raises(ValueError, match=r"'dtype' must be 'object' for a object_array column: got 'int64'"):
         ColumnSpec("object_array", "int64")
     with pytest.raises(ValueError, match=r"'shape' entries must be >= 0: got -1 at index 0"):
