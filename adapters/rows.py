@@ -35,6 +35,10 @@ it back the same way, so a reader gets the container kind a writer put.
 :func:`column_spec` checks a column exactly as :func:`split_column` does but
 with whole-column work only: the TransferQueue adapter uses it to send tensor
 columns whole, and splits and stacks only object columns.
+
+:func:`to_bit_views` / :func:`from_bit_views` let a TensorDict cross a pickling
+transport (Ray) with columns torch cannot unpickle (uint16/32/64, float8) read
+as their same-width integer bit view, restored on arrival.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from core.checks import check_int_entries
 from core.codec import is_jagged
-from core.dtypes import CODEC_DTYPE_NAMES, check_codec_dtype, dtype_from_name
+from core.dtypes import BIT_VIEWS, CODEC_DTYPE_NAMES, check_codec_dtype, dtype_from_name, from_bits, to_bits
 
 Kind = Literal["dense", "jagged", "object_array", "non_tensor_stack"]
 Shape = tuple[int, ...]
@@ -525,3 +529,57 @@ def _row_count(value: Any) -> int | None:
     if isinstance(value, TensorDictBase):
         return value.batch_size[0] if len(value.batch_size) else None
     return len(value) if isinstance(value, Sequence) else None
+
+
+# ---------------------------------------------------------------- transport bit views
+
+
+def to_bit_views(td: TensorDict) -> tuple[TensorDict, dict[str, str]]:
+    """``td`` with every tensor column that torch cannot pickle read as its same-width integer bit view.
+
+    torch 2.13 pickles but cannot unpickle tensors of ``uint16``/``uint32``/
+    ``uint64`` and the float8 types (Ray reports it as an opaque
+    ``RaySystemError``); their bit views (:func:`core.dtypes.to_bits`)
+    travel. No data is copied; other columns are the very objects of ``td``.
+
+    Args:
+        td: a TensorDict of batch size ``[n]`` (what a store puts or returns).
+
+    Returns:
+        ``(wire, dtypes)``: the TensorDict to send and ``{name: true dtype
+        name}`` of the viewed columns, for :func:`from_bit_views` on arrival.
+
+    Raises:
+        TypeError: ``td`` is not a TensorDict, or a tensor column has a dtype
+            not in ``core.dtypes.CODEC_DTYPES`` (naming the field).
+    """
+    columns = read_columns_of(td)
+    dtypes: dict[str, str] = {}
+    for name, value in columns.items():
+        if isinstance(value, torch.Tensor) and value.dtype in BIT_VIEWS:
+            dtypes[name] = _dtype_name(value.dtype)
+            columns[name] = to_bits(value)
+        elif isinstance(value, torch.Tensor):
+            check_codec_dtype(value.dtype, f"field {name!r}")
+    return (build_tensordict(columns, td.batch_size[0]) if dtypes else td), dtypes
+
+
+def from_bit_views(td: TensorDict, dtypes: Mapping[str, str]) -> TensorDict:
+    """Undo :func:`to_bit_views`: each column named in ``dtypes`` read as its true dtype again (no copy).
+
+    Raises:
+        TypeError: ``td`` is not a TensorDict, or ``dtypes`` is not a mapping.
+        KeyError: ``dtypes`` names a column ``td`` lacks.
+        ValueError: a named column does not hold the bit view of its dtype, or
+            a dtype name is not carried.
+    """
+    if not isinstance(dtypes, Mapping):
+        raise TypeError(f"'dtypes' must be a mapping of column name -> dtype name: got {type(dtypes).__name__}")
+    if not dtypes:
+        return td
+    columns = read_columns_of(td)
+    for name, dtype in dtypes.items():
+        if name not in columns:
+            raise KeyError(f"'dtypes' names column {name!r}, which the TensorDict lacks (have {sorted(columns)})")
+        columns[name] = from_bits(columns[name], dtype_from_name(dtype))
+    return build_tensordict(columns, td.batch_size[0])
