@@ -178,7 +178,7 @@ def test_to_jagged_inverts_to_padded(jagged: torch.Tensor, multiple: int) -> Non
 
 
 @given(padded_batches(bits=True), jagged_batches(bits=True))
-@settings(max_examples=60)
+@settings(max_examples=40)
 def test_codec_moves_any_bit_pattern(batch: tuple[torch.Tensor, list[int]], jagged: torch.Tensor) -> None:
     """Any bits (NaN payloads, inf, -0.0, every carried dtype incl. uint64 and float8) survive both directions."""
     padded, lengths = batch

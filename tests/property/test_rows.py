@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
@@ -340,6 +340,7 @@ def test_column_spec_rejects_wrong_row_count() -> None:
 
 
 @given(store_batches())
+@settings(max_examples=40)
 def test_from_bit_views_inverts_to_bit_views_across_pickling(batch: tuple[list[str], TensorDict]) -> None:
     """A batch sent as to_bit_views gives, pickled and restored with from_bit_views, every column bit for bit;
     exactly the uint16/32/64 and float8 columns travel viewed, as signed integers of their width."""
