@@ -18,6 +18,10 @@ Invariants (the port's semantics, see :mod:`adapters.store_port`, checked by
   * every call's arguments, and every put column, are checked in the caller's
     process before any remote call (:class:`adapters.store_port.StoreAdapter`),
     so a rejected call sends nothing and a rejected put writes nothing;
+  * every carried dtype (``core.dtypes.CODEC_DTYPES``) round-trips: columns
+    torch cannot unpickle (uint16/32/64, float8) cross Ray as their
+    same-width integer bit views (:func:`adapters.rows.to_bit_views`) with
+    their true dtypes beside them, and are stored and returned in those;
   * an error the ``MemoryStore`` raises in the actor reaches the caller as that
     exception (same type, same message), never as a ``RayTaskError``;
   * after ``close()`` every call but ``close()`` raises ``RuntimeError``; only
@@ -43,7 +47,7 @@ from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
 from adapters.ray_actors import named_actor_exists
-from adapters.rows import column_spec, read_columns_of
+from adapters.rows import column_spec, from_bit_views, read_columns_of, to_bit_views
 from adapters.store_port import Keys, SeqLens, StoreAdapter, Tags, validate_put
 from core.meta import KVBatchMeta
 
@@ -67,10 +71,15 @@ class MemoryStoreActor:
         return True
 
     def put(
-        self, keys: Keys, partition_id: str, fields: TensorDict, tags: Tags | None, sequence_lengths: SeqLens | None,
-        reserved_tags: Tags | None, require_stored: bool = False,
+        self, keys: Keys, partition_id: str, fields: TensorDict, bit_views: dict[str, str], tags: Tags | None,
+        sequence_lengths: SeqLens | None, reserved_tags: Tags | None, require_stored: bool = False,
     ) -> KVBatchMeta:
-        """:meth:`adapters.memory.MemoryStore.put`, or ``put_with_reserved_tags`` when ``reserved_tags`` is given."""
+        """:meth:`adapters.memory.MemoryStore.put`, or ``put_with_reserved_tags`` when ``reserved_tags`` is given.
+
+        ``fields`` arrives as :func:`adapters.rows.to_bit_views` sent it; the
+        columns named in ``bit_views`` are stored in their true dtypes.
+        """
+        fields = from_bit_views(fields, bit_views)
         if reserved_tags is None:
             return self._store.put(
                 keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, require_stored=require_stored
@@ -82,9 +91,16 @@ class MemoryStoreActor:
 
     def get_with_tags(
         self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
-    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
-        """See :meth:`adapters.memory.MemoryStore.get_with_tags`."""
-        return self._store.get_with_tags(keys, partition_id, select_fields, tag_names)
+    ) -> tuple[TensorDict, dict[str, str], tuple[dict[str, Any], ...]]:
+        """:meth:`adapters.memory.MemoryStore.get_with_tags`, its columns as :func:`adapters.rows.to_bit_views` sends them.
+
+        Returns:
+            ``(columns, bit_views, tags)``; :func:`adapters.rows.from_bit_views`
+            restores the columns.
+        """
+        columns, tags = self._store.get_with_tags(keys, partition_id, select_fields, tag_names)
+        wire, bit_views = to_bit_views(columns)
+        return wire, bit_views, tags
 
     def clear(self, keys: Keys, partition_id: str) -> None:
         """See :meth:`adapters.memory.MemoryStore.clear`."""
@@ -214,14 +230,18 @@ class RayMemoryStore(StoreAdapter):
         for column, value in read_columns_of(fields).items():
             column_spec(column, value, len(receipt))
         lengths = receipt.sequence_lengths
+        wire, bit_views = to_bit_views(fields.detach())
         return self._call(
-            self._handle.put.remote(receipt.keys, partition_id, fields.detach(), tags, lengths, reserved_tags, require_stored)
+            self._handle.put.remote(
+                receipt.keys, partition_id, wire, bit_views, tags, lengths, reserved_tags, require_stored
+            )
         )
 
     def _get(
         self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]
     ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
-        return self._call(self._handle.get_with_tags.remote(keys, partition_id, names, tag_names))
+        wire, bit_views, tags = self._call(self._handle.get_with_tags.remote(keys, partition_id, names, tag_names))
+        return from_bit_views(wire, bit_views), tags
 
     def _clear(self, keys: tuple[str, ...], partition_id: str) -> None:
         self._call(self._handle.clear.remote(keys, partition_id))

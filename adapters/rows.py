@@ -35,6 +35,10 @@ it back the same way, so a reader gets the container kind a writer put.
 :func:`column_spec` checks a column exactly as :func:`split_column` does but
 with whole-column work only: the TransferQueue adapter uses it to send tensor
 columns whole, and splits and stacks only object columns.
+
+:func:`to_bit_views` / :func:`from_bit_views` let a TensorDict cross a pickling
+transport (Ray) with columns torch cannot unpickle (uint16/32/64, float8) read
+as their same-width integer bit view, restored on arrival.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from core.checks import check_int_entries
 from core.codec import is_jagged
+from core.dtypes import BIT_VIEWS, CODEC_DTYPE_NAMES, check_codec_dtype, dtype_from_name, from_bits, to_bits
 
 Kind = Literal["dense", "jagged", "object_array", "non_tensor_stack"]
 Shape = tuple[int, ...]
@@ -60,11 +65,6 @@ KINDS: tuple[str, ...] = get_args(Kind)
 TENSOR_KINDS = frozenset({"dense", "jagged"})
 OBJECT_DTYPE = "object"
 
-_DTYPES: dict[str, torch.dtype] = {
-    name: dtype
-    for name in dir(torch)
-    if isinstance(dtype := getattr(torch, name), torch.dtype) and str(dtype) == f"torch.{name}"
-}
 
 
 # ---------------------------------------------------------------- spec
@@ -87,14 +87,14 @@ class ColumnSpec:
 
     Args:
         kind: one of ``"dense"``, ``"jagged"``, ``"object_array"``, ``"non_tensor_stack"``.
-        dtype: the torch dtype name (``"bfloat16"``) for tensor kinds; ``"object"``
-            for the object kinds.
+        dtype: the torch dtype name (``"bfloat16"``) for tensor kinds, one of
+            ``core.dtypes.CODEC_DTYPE_NAMES``; ``"object"`` for the object kinds.
         shape: the dims after the batch dim (``dense``, ``object_array``,
             ``non_tensor_stack``) or after the ragged dim (``jagged``).
 
     Raises:
         TypeError: ``dtype`` is not a str, or ``shape`` is not a sequence of ints.
-        ValueError: unknown ``kind``; ``dtype`` is not a torch dtype name for a
+        ValueError: unknown ``kind``; ``dtype`` is not a carried dtype name for a
             tensor kind, or not ``"object"`` for an object kind; a negative size.
 
     Example:
@@ -109,9 +109,10 @@ class ColumnSpec:
 
     def __attrs_post_init__(self) -> None:
         if self.kind in TENSOR_KINDS:
-            if self.dtype not in _DTYPES:
+            if self.dtype not in CODEC_DTYPE_NAMES:
                 raise ValueError(
-                    f"'dtype' must name a torch dtype for a {self.kind} column (e.g. 'float32'): got {self.dtype!r}"
+                    f"'dtype' must name a carried torch dtype for a {self.kind} column (one of "
+                    f"{', '.join(CODEC_DTYPE_NAMES)}): got {self.dtype!r}"
                 )
         elif self.dtype != OBJECT_DTYPE:
             raise ValueError(f"'dtype' must be {OBJECT_DTYPE!r} for a {self.kind} column: got {self.dtype!r}")
@@ -125,7 +126,7 @@ class ColumnSpec:
         """
         if self.kind not in TENSOR_KINDS:
             raise ValueError(f"a {self.kind} column has no torch dtype: its 'dtype' is {self.dtype!r}")
-        return _DTYPES[self.dtype]
+        return dtype_from_name(self.dtype)
 
     def describe(self) -> str:
         """A short human-readable form of the column, e.g. ``"jagged bfloat16 (N, j, 4)"``."""
@@ -234,7 +235,8 @@ def split_column(name: str, value: Any, n: int) -> tuple[ColumnSpec, Rows]:
     Raises:
         TypeError: ``value`` is of another kind (a nested TensorDict, a strided
             nested tensor, a sparse tensor, a batch-wide ``NonTensorData`` that is
-            not an object array, a numpy array of a non-object dtype, ...).
+            not an object array, a numpy array of a non-object dtype, ...), or a
+            tensor of a dtype not in ``core.dtypes.CODEC_DTYPES``.
         ValueError: ``value`` does not have ``n`` rows, or a jagged tensor is
             ragged along a dim other than 1.
 
@@ -294,7 +296,7 @@ def _tensor_spec(field: str, value: torch.Tensor, n: int) -> ColumnSpec:
         if ragged != [1]:
             raise ValueError(f"{field} must be a jagged tensor ragged along dim 1: got ragged dims {ragged}")
         _check_rows(field, shape[0], n)
-        return ColumnSpec("jagged", _dtype_name(value.dtype), tuple(shape[2:]))
+        return ColumnSpec("jagged", _dtype_name(check_codec_dtype(value.dtype, field)), tuple(shape[2:]))
     if value.is_nested:
         raise TypeError(
             f"{field} must be dense or a torch.jagged nested tensor: got a nested tensor with layout "
@@ -305,7 +307,7 @@ def _tensor_spec(field: str, value: torch.Tensor, n: int) -> ColumnSpec:
     if len(shape) == 0:
         raise ValueError(f"{field} must have a batch dim of {n} rows: got a 0-d tensor")
     _check_rows(field, shape[0], n)
-    return ColumnSpec("dense", _dtype_name(value.dtype), tuple(shape[1:]))
+    return ColumnSpec("dense", _dtype_name(check_codec_dtype(value.dtype, field)), tuple(shape[1:]))
 
 
 def _copy_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -527,3 +529,57 @@ def _row_count(value: Any) -> int | None:
     if isinstance(value, TensorDictBase):
         return value.batch_size[0] if len(value.batch_size) else None
     return len(value) if isinstance(value, Sequence) else None
+
+
+# ---------------------------------------------------------------- transport bit views
+
+
+def to_bit_views(td: TensorDict) -> tuple[TensorDict, dict[str, str]]:
+    """``td`` with every tensor column that torch cannot pickle read as its same-width integer bit view.
+
+    torch 2.13 pickles but cannot unpickle tensors of ``uint16``/``uint32``/
+    ``uint64`` and the float8 types (Ray reports it as an opaque
+    ``RaySystemError``); their bit views (:func:`core.dtypes.to_bits`)
+    travel. No data is copied; other columns are the very objects of ``td``.
+
+    Args:
+        td: a TensorDict of batch size ``[n]`` (what a store puts or returns).
+
+    Returns:
+        ``(wire, dtypes)``: the TensorDict to send and ``{name: true dtype
+        name}`` of the viewed columns, for :func:`from_bit_views` on arrival.
+
+    Raises:
+        TypeError: ``td`` is not a TensorDict, or a tensor column has a dtype
+            not in ``core.dtypes.CODEC_DTYPES`` (naming the field).
+    """
+    columns = read_columns_of(td)
+    dtypes: dict[str, str] = {}
+    for name, value in columns.items():
+        if isinstance(value, torch.Tensor) and value.dtype in BIT_VIEWS:
+            dtypes[name] = _dtype_name(value.dtype)
+            columns[name] = to_bits(value)
+        elif isinstance(value, torch.Tensor):
+            check_codec_dtype(value.dtype, f"field {name!r}")
+    return (build_tensordict(columns, td.batch_size[0]) if dtypes else td), dtypes
+
+
+def from_bit_views(td: TensorDict, dtypes: Mapping[str, str]) -> TensorDict:
+    """Undo :func:`to_bit_views`: each column named in ``dtypes`` read as its true dtype again (no copy).
+
+    Raises:
+        TypeError: ``td`` is not a TensorDict, or ``dtypes`` is not a mapping.
+        KeyError: ``dtypes`` names a column ``td`` lacks.
+        ValueError: a named column does not hold the bit view of its dtype, or
+            a dtype name is not carried.
+    """
+    if not isinstance(dtypes, Mapping):
+        raise TypeError(f"'dtypes' must be a mapping of column name -> dtype name: got {type(dtypes).__name__}")
+    if not dtypes:
+        return td
+    columns = read_columns_of(td)
+    for name, dtype in dtypes.items():
+        if name not in columns:
+            raise KeyError(f"'dtypes' names column {name!r}, which the TensorDict lacks (have {sorted(columns)})")
+        columns[name] = from_bits(columns[name], dtype_from_name(dtype))
+    return build_tensordict(columns, td.batch_size[0])

@@ -12,7 +12,8 @@ suite (``tests/e2e/test_store_contract.py``):
 * **Shape-faithful round trips.** A dense ``(N, ...)`` field comes back dense,
   a jagged field jagged with the same rows, ``(N,)`` stays ``(N,)`` and
   ``(N, 1)`` stays ``(N, 1)``; object columns come back equal and in the same
-  container kind; every dtype is kept.
+  container kind; every dtype of ``core.dtypes.CODEC_DTYPES`` is kept bit for
+  bit, and a tensor of another dtype is refused (``TypeError``) before I/O.
 * **Fail loudly.** A field that some keys lack raises ``KeyError`` naming the
   field and the keys; unknown or cleared keys raise ``KeyError``; duplicate
   keys, a batch size that differs from the key count, and tags or lengths not

@@ -8,10 +8,16 @@ A batch of ``N`` variable-length rows has two layouts:
   ``(lengths[i], *rest)``; no padding is stored.
 
 Invariant: the codec moves the valid tokens of every row bit for bit (same dtype,
-same bits, for every dtype including bfloat16 and bool); only padding is
-dropped or added. Functions never mutate their inputs and return fresh tensors
-(``pack_fields`` and ``materialize`` pass fields they do not convert through
-as the same objects).
+same bits, NaN payloads included) for every dtype of
+:data:`core.dtypes.CODEC_DTYPES` (bfloat16, bool, uint16/32/64, the float8
+types, complex, ...); only padding is dropped or added. A tensor of another
+dtype is refused with a ``TypeError``. Dtypes torch has no gather or scatter
+kernel for (uint16/32/64, float8) are moved as their same-width integer bit
+view (:func:`core.dtypes.to_bits`), so no value is ever converted.
+
+Functions never mutate their inputs and return fresh tensors (``pack_fields``
+and ``materialize`` pass fields they do not convert through as the same
+objects).
 
 Laws (see ``tests/property/test_codec.py``):
   * ``to_padded(to_jagged(p, L), pad_to_length=S, pad_value=v)`` equals ``p``
@@ -26,12 +32,14 @@ builds a jagged tensor with no rows).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import torch
 
 from core.checks import check_int_entries
+from core.dtypes import check_codec_dtype, from_bits, to_bits
 
 Layout = Literal["padded", "jagged"]
 RowLengths = tuple[int, ...]
@@ -75,7 +83,8 @@ def to_jagged(padded: torch.Tensor, lengths: Sequence[int] | torch.Tensor) -> to
     """Drop the padding of a dense batch: row ``i`` becomes ``padded[i, :lengths[i]]``.
 
     Args:
-        padded: ``(N, S, *rest)`` dense tensor, any dtype.
+        padded: ``(N, S, *rest)`` dense tensor of a dtype in
+            :data:`core.dtypes.CODEC_DTYPES`.
         lengths: ``N`` valid-token counts, each in ``[0, S]``; a sequence of
             ints or a 1-D integer tensor.
 
@@ -85,7 +94,8 @@ def to_jagged(padded: torch.Tensor, lengths: Sequence[int] | torch.Tensor) -> to
         copy: ``padded`` is never aliased.
 
     Raises:
-        TypeError: ``padded`` is not a dense tensor, or a length is not an int.
+        TypeError: ``padded`` is not a dense tensor, its dtype is not carried,
+            or a length is not an int.
         ValueError: ``padded`` is not at least 2-D, ``lengths`` does not have
             ``N`` entries, or a length is outside ``[0, S]``.
 
@@ -113,7 +123,9 @@ def to_padded(
     Args:
         jagged: a ``torch.jagged`` nested tensor, ragged along dim 1.
         pad_value: fill for positions past each row's end. It must be exactly
-            representable in an integer or bool dtype (floats round as torch does).
+            representable in an integer or bool dtype, and within the range of
+            a floating dtype (floats round as torch does; inf and NaN only where
+            the dtype has them).
         pad_to_multiple: round ``L`` up to a multiple of this (>= 1).
         pad_to_length: the exact width ``L``; a multiple of ``pad_to_multiple``
             and at least the longest row.
@@ -123,8 +135,8 @@ def to_padded(
         ``out[i, len_i:] == pad_value``, in the dtype of ``jagged``.
 
     Raises:
-        TypeError: ``jagged`` is not a ``torch.jagged`` nested tensor, or an
-            option has the wrong type.
+        TypeError: ``jagged`` is not a ``torch.jagged`` nested tensor, its
+            dtype is not carried, or an option has the wrong type.
         ValueError: the ragged dim is not 1; ``pad_to_multiple < 1``;
             ``pad_to_length`` is shorter than the longest row or not a multiple
             of ``pad_to_multiple``; ``pad_value`` does not fit the dtype.
@@ -284,6 +296,7 @@ def _to_jagged(padded: Any, lengths: Any, arg: str) -> torch.Tensor:
         raise TypeError(f"{arg} must be a dense (N, S, ...) tensor: got a nested tensor, which has no padding to drop")
     if padded.dim() < 2:
         raise ValueError(f"{arg} must be at least 2-D (N, S, ...): got shape {tuple(padded.shape)}")
+    check_codec_dtype(padded.dtype, arg)
     n, width = padded.shape[0], padded.shape[1]
     lens = _lengths_tensor(lengths, n, padded.device, arg)
     bad = (lens < 0) | (lens > width)
@@ -294,10 +307,12 @@ def _to_jagged(padded: Any, lengths: Any, arg: str) -> torch.Tensor:
             f"row {row} has length {int(lens[row])}, S is {width}"
         )
     mask = torch.arange(width, device=padded.device) < lens[:, None]
+    # Gather the bit view: uint16/32/64 and float8 have no masked_select kernel.
+    bits = to_bits(padded)
     # masked_select is the fastest gather for (N, S) rows; boolean indexing for trailing dims.
-    values = torch.masked_select(padded, mask) if padded.dim() == 2 else padded[mask]
+    values = torch.masked_select(bits, mask) if bits.dim() == 2 else bits[mask]
     offsets = torch.cat((lens.new_zeros(1), lens.cumsum(0)))
-    return torch.nested.nested_tensor_from_jagged(values, offsets)
+    return from_bits(torch.nested.nested_tensor_from_jagged(values, offsets), padded.dtype)
 
 
 def _to_padded(
@@ -309,6 +324,7 @@ def _to_padded(
     pad_arg: str,
 ) -> torch.Tensor:
     _check_jagged(jagged, arg)
+    check_codec_dtype(jagged.dtype, arg)
     values = jagged.values()
     offsets = jagged.offsets()
     fill = _pad_fill(pad_value, values.dtype, pad_arg)
@@ -326,6 +342,9 @@ def _to_padded(
     out = torch.full((n, width, *values.shape[1:]), fill, dtype=values.dtype, device=values.device)
     positions = torch.arange(width, device=values.device)
     mask = positions < lens[:, None]
+    # Gather and scatter the bit views (out_bits is a view of out): uint16/32/64 and float8
+    # have no index_select / masked_scatter_ kernels.
+    out_bits, values = to_bits(out), to_bits(values)
     if jagged.lengths() is None:
         # Rows lie back to back in values[offsets[0]:offsets[-1]].
         start = int(offsets[0])
@@ -334,9 +353,9 @@ def _to_padded(
         # Holes between rows: gather each row's tokens in order.
         rows = values.index_select(0, (offsets[:-1, None] + positions)[mask])
     if out.dim() == 2:
-        out.masked_scatter_(mask, rows)
+        out_bits.masked_scatter_(mask, rows)
     else:
-        out[mask] = rows
+        out_bits[mask] = rows
     return out
 
 
@@ -395,7 +414,13 @@ def _pad_fill(pad_value: Any, dtype: torch.dtype, pad_arg: str) -> PadValue:
     if not isinstance(pad_value, (bool, int, float)):
         raise TypeError(f"{pad_arg} must be a bool, int or float: got {type(pad_value).__name__}")
     if dtype.is_floating_point or dtype.is_complex:
-        return float(pad_value)
+        value = float(pad_value)
+        info = torch.finfo(dtype)
+        if math.isinf(value) and not _has_infinity(dtype):
+            raise ValueError(f"{pad_arg} must be finite or NaN for a {dtype} field (it has no infinity): got {pad_value!r}")
+        if math.isfinite(value) and not info.min <= value <= info.max:
+            raise ValueError(f"{pad_arg} must be in [{info.min}, {info.max}] for a {dtype} field: got {pad_value!r}")
+        return value
     if dtype == torch.bool:
         if pad_value not in (0, 1):
             raise ValueError(f"{pad_arg} must be 0/1 or False/True for a bool field: got {pad_value!r}")
@@ -406,6 +431,11 @@ def _pad_fill(pad_value: Any, dtype: torch.dtype, pad_arg: str) -> PadValue:
     if not info.min <= pad_value <= info.max:
         raise ValueError(f"{pad_arg} must be in [{info.min}, {info.max}] for a {dtype} field: got {pad_value!r}")
     return int(pad_value)
+
+
+def _has_infinity(dtype: torch.dtype) -> bool:
+    # float8_e4m3fn and the fnuz types have no infinity; read it off the dtype rather than list them.
+    return bool(torch.tensor(math.inf).to(dtype).to(torch.float32).isinf())
 
 
 def _check_width_options(pad_to_multiple: Any, pad_to_length: Any) -> None:

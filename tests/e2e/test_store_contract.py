@@ -15,7 +15,9 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from adapters.rows import columns_equal
 from adapters.store_port import DataPlaneClient, ReservedTagPutClient, TaggedGetClient
 from core.codec import jagged_lengths, to_jagged
-from tests.property.strategies import CODEC_DTYPES, random_tensor
+from core.dtypes import CODEC_DTYPES
+from shell.column_io import first_write, read_columns, write_columns
+from tests.property.strategies import random_bits
 
 
 def _ids(n: int, offset: int = 0) -> TensorDict:
@@ -24,16 +26,17 @@ def _ids(n: int, offset: int = 0) -> TensorDict:
 
 
 def _every_kind(n: int, lengths: list[int]) -> TensorDict:
-    """A batch with a field for each dtype and shape (N,), (N,1), (N,S), (N,S,D), jagged, plus object columns."""
+    """A batch with a field for each carried dtype (``core.dtypes.CODEC_DTYPES``) and shape (N,), (N,1), (N,S),
+    (N,S,D), jagged, plus object columns; random bits, so floats hold NaN payloads, infinities and -0.0."""
     td = TensorDict(batch_size=[n])
     for i, dtype in enumerate(CODEC_DTYPES):
         name = str(dtype).removeprefix("torch.")
-        td[f"{name}_n"] = random_tensor((n,), dtype, i)
-        td[f"{name}_n1"] = random_tensor((n, 1), dtype, i + 100)
-        td[f"{name}_ns"] = random_tensor((n, 5), dtype, i + 200)
-        td[f"{name}_nsd"] = random_tensor((n, 5, 3), dtype, i + 300)
-        td[f"{name}_jagged"] = to_jagged(random_tensor((n, max(lengths)), dtype, i + 400), lengths)
-        td[f"{name}_jagged_d"] = to_jagged(random_tensor((n, max(lengths), 2), dtype, i + 500), lengths)
+        td[f"{name}_n"] = random_bits((n,), dtype, i)
+        td[f"{name}_n1"] = random_bits((n, 1), dtype, i + 100)
+        td[f"{name}_ns"] = random_bits((n, 5), dtype, i + 200)
+        td[f"{name}_nsd"] = random_bits((n, 5, 3), dtype, i + 300)
+        td[f"{name}_jagged"] = to_jagged(random_bits((n, max(lengths)), dtype, i + 400), lengths)
+        td[f"{name}_jagged_d"] = to_jagged(random_bits((n, max(lengths), 2), dtype, i + 500), lengths)
     td["objects"] = np.array([{"uid": i, "turns": [i] * i} for i in range(n)], dtype=object)
     td["texts"] = NonTensorStack(*(f"prompt {i}" for i in range(n)))
     return td
@@ -61,17 +64,71 @@ def _rows(column: Any, order: list[int]) -> Any:
 
 
 def test_get_round_trips_every_shape_and_dtype(store: DataPlaneClient, partition: str) -> None:
-    """Every dtype and shape comes back bit-exact in its kind: (N,) and (N,1) distinct, jagged incl. empty rows."""
+    """Every carried dtype and shape comes back bit-exact in its kind and dtype (NaN payloads too): (N,) and (N,1)
+    distinct, jagged incl. empty rows; uint16/32/64 and float8 included."""
     keys = ["a", "b", "c", "d"]
     fields = _every_kind(4, [3, 0, 5, 1])
+    assert any(t.isnan().any() for t in (fields[f"{n}_nsd"].float() for n in ("float32", "bfloat16", "float8_e5m2")))
     store.put(keys, partition, fields)
     got = store.get(keys, partition, list(fields.keys()))
     _assert_columns(got, fields, [0, 1, 2, 3])
+    for dtype in CODEC_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        assert got[f"{name}_ns"].dtype == dtype and got[f"{name}_jagged_d"].dtype == dtype
     assert got["float32_n"].shape == (4,) and got["float32_n1"].shape == (4, 1)
     assert jagged_lengths(got["bfloat16_jagged"]) == (3, 0, 5, 1)
     assert isinstance(got["objects"], np.ndarray) and isinstance(got.get("objects"), NonTensorData)
     assert got["objects"].tolist() == fields["objects"].tolist()
     assert isinstance(got.get("texts"), NonTensorStack) and got.get("texts").tolist() == fields.get("texts").tolist()
+
+
+TOKEN_LENGTHS = [3, 0, 5, 1]
+
+
+def _rollout_of_every_dtype(seed: int) -> dict[str, torch.Tensor]:
+    """Per-token fields (N, S) and (N, S, 2) of every carried dtype, random bits, 2 columns of forward padding."""
+    n, width = len(TOKEN_LENGTHS), max(TOKEN_LENGTHS) + 2
+    out = {}
+    for i, dtype in enumerate(CODEC_DTYPES):
+        name = str(dtype).removeprefix("torch.")
+        out[f"{name}_tok"] = random_bits((n, width), dtype, seed + i)
+        out[f"{name}_tok_d"] = random_bits((n, width, 2), dtype, seed + 100 + i)
+    return out
+
+
+def _padded_reference(padded: torch.Tensor, width: int) -> torch.Tensor:
+    """Row i's first TOKEN_LENGTHS[i] tokens of ``padded``, zero bits after them, ``width`` wide: a per-row loop."""
+    out = torch.zeros((padded.shape[0], width, *padded.shape[2:]), dtype=padded.dtype)
+    for i, length in enumerate(TOKEN_LENGTHS):
+        out[i, :length] = padded[i, :length]
+    return out
+
+
+def _assert_jagged_rows(got: torch.Tensor, padded: torch.Tensor) -> None:
+    assert got.dtype == padded.dtype and jagged_lengths(got) == tuple(TOKEN_LENGTHS)
+    for i, row in enumerate(got.unbind(0)):
+        assert columns_equal(row, padded[i, : TOKEN_LENGTHS[i]].contiguous()), i
+
+
+def test_first_write_round_trips_every_dtype_through_the_jagged_path(store: DataPlaneClient, partition: str) -> None:
+    """first_write of per-token fields of every carried dtype, then read_columns jagged and padded, and a
+    write_columns trim of results of every dtype, give each row's tokens back bit for bit (NaN payloads too),
+    padded with zero bits; uint16/32/64 and float8 included."""
+    keys = ["r0", "r1", "r2", "r3"]
+    rollout = _rollout_of_every_dtype(0)
+    meta = first_write(store, rollout, keys=keys, partition_id=partition, lengths=TOKEN_LENGTHS, token_fields=list(rollout))
+    jagged = read_columns(store, meta, list(rollout), layout="jagged")
+    padded = read_columns(store, meta, list(rollout), layout="padded")
+    for name, column in rollout.items():
+        _assert_jagged_rows(jagged[name], column)
+        assert columns_equal(padded[name], _padded_reference(column, max(TOKEN_LENGTHS))), name
+    results = {f"{name}_result": value for name, value in _rollout_of_every_dtype(1000).items()}
+    meta = write_columns(store, meta, results, token_fields=list(results))
+    back = read_columns(store, meta.subset([2, 0]), list(results), layout="jagged")
+    for name, column in results.items():
+        rows = back[name].unbind(0)
+        for row, i in zip(rows, [2, 0]):
+            assert columns_equal(row, column[i, : TOKEN_LENGTHS[i]].contiguous()), name
 
 
 def test_get_round_trips_all_empty_jagged_rows(store: DataPlaneClient, partition: str) -> None:

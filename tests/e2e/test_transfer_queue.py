@@ -355,7 +355,7 @@ def test_wire_name_differs_for_every_spec() -> None:
         ("x", r"wire field 'x' must be of the form 'name@kind\.dtype\.shape'"),
         ("x@dense.float32", r"must be of the form"),
         ("x@dense.float32.2by3", r"must give its shape as ints joined by 'x': got '2by3'"),
-        ("x@dense.float99.", r"'dtype' must name a torch dtype"),
+        ("x@dense.float99.", r"'dtype' must name a carried torch dtype"),
         ("x@sparse.float32.", r"'kind' must be one of"),
     ],
 )

@@ -15,6 +15,7 @@ import torch
 from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
 
+from core.dtypes import BIT_VIEWS, CODEC_DTYPES
 from core.meta import KVBatchMeta
 from core.packing import PACKING_ALGORITHMS
 from core.routing import routing_dtype
@@ -254,10 +255,6 @@ def train_results(draw: st.DrawFn) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- tensors
 # (codec strategies go here)
 
-CODEC_DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool,
-)
 codec_dtypes = st.sampled_from(CODEC_DTYPES)
 trailing_dims = st.lists(st.integers(1, 3), max_size=2).map(tuple)
 
@@ -268,43 +265,67 @@ def codec_row_lengths(*, max_rows: int = 6, max_len: int = 10) -> st.SearchStrat
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """A reproducible tensor of ``shape`` spanning the range of ``dtype`` (finite floats)."""
+    """A reproducible tensor of ``shape`` spanning the range of ``dtype`` (finite floats, within the dtype's range)."""
     gen = torch.Generator().manual_seed(seed)
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype in (torch.uint16, torch.uint32, torch.uint64):
+        return random_tensor(shape, BIT_VIEWS[dtype], seed).view(dtype)  # the full unsigned range, as bits
+    if dtype.is_complex:
+        return (torch.randn(shape, generator=gen, dtype=torch.complex128) * 100).to(dtype)
     if dtype.is_floating_point:
-        return (torch.randn(shape, generator=gen, dtype=torch.float64) * 100).to(dtype)
+        info = torch.finfo(dtype)
+        return (torch.randn(shape, generator=gen, dtype=torch.float64) * 100).clamp(info.min, info.max).to(dtype)
     info = torch.iinfo(dtype)
     return torch.randint(info.min, info.max, shape, generator=gen, dtype=dtype)
 
 
-def tensors_of(shape: tuple[int, ...], dtype: torch.dtype) -> st.SearchStrategy[torch.Tensor]:
-    """Random tensors of a fixed shape and dtype."""
-    return st.integers(0, 2**32 - 1).map(lambda seed: random_tensor(shape, dtype, seed))
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A reproducible tensor of ``shape`` with uniformly random bit patterns (bool: 0/1).
+
+    Floats hold every kind of value their bits can spell: NaNs with payloads,
+    infinities, -0.0, subnormals; so only a bitwise comparison can match them.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    raw = torch.randint(0, 256, (*shape, dtype.itemsize), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def tensors_of(shape: tuple[int, ...], dtype: torch.dtype, *, bits: bool = False) -> st.SearchStrategy[torch.Tensor]:
+    """Random tensors of a fixed shape and dtype: finite values, or with ``bits`` any bit pattern (``random_bits``)."""
+    make = random_bits if bits else random_tensor
+    return st.integers(0, 2**32 - 1).map(lambda seed: make(shape, dtype, seed))
 
 
 def pad_values_for(dtype: torch.dtype) -> st.SearchStrategy[bool | int | float]:
     """Pad values valid for ``dtype`` (exactly representable for bool and integer dtypes)."""
     if dtype == torch.bool:
         return st.booleans()
-    if dtype.is_floating_point:
-        return st.one_of(st.just(0), st.integers(-5, 5), st.floats(allow_nan=False, width=16))
+    if dtype.is_floating_point or dtype.is_complex:
+        info = torch.finfo(dtype)
+        bound = min(info.max, torch.finfo(torch.float16).max)
+        return st.one_of(st.just(0), st.integers(-5, 5), st.floats(-bound, bound, width=16))
     info = torch.iinfo(dtype)
     return st.integers(info.min, info.max)
 
 
 @st.composite
-def padded_batches(draw: st.DrawFn, *, max_rows: int = 6, max_len: int = 10) -> tuple[torch.Tensor, list[int]]:
-    """A dense ``(N, S, *rest)`` batch (random dtype) and row lengths with ``max <= S``."""
+def padded_batches(
+    draw: st.DrawFn, *, max_rows: int = 6, max_len: int = 10, bits: bool = False
+) -> tuple[torch.Tensor, list[int]]:
+    """A dense ``(N, S, *rest)`` batch (random dtype; any bit pattern with ``bits``) and row lengths with ``max <= S``."""
     lengths = draw(codec_row_lengths(max_rows=max_rows, max_len=max_len))
     width = max(lengths, default=0) + draw(st.integers(0, 3))
     shape = (len(lengths), width, *draw(trailing_dims))
-    return draw(tensors_of(shape, draw(codec_dtypes))), lengths
+    return draw(tensors_of(shape, draw(codec_dtypes), bits=bits)), lengths
 
 
 @st.composite
-def jagged_batches(draw: st.DrawFn, *, max_rows: int = 6, max_len: int = 10) -> torch.Tensor:
-    """A ``torch.jagged`` nested tensor built straight from values and offsets, sometimes with holes."""
+def jagged_batches(draw: st.DrawFn, *, max_rows: int = 6, max_len: int = 10, bits: bool = False) -> torch.Tensor:
+    """A ``torch.jagged`` nested tensor built straight from values and offsets, sometimes with holes
+    (random dtype; any bit pattern with ``bits``)."""
     lengths = draw(codec_row_lengths(max_rows=max_rows, max_len=max_len))
     gaps = draw(st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=len(lengths), max_size=len(lengths))))
     rest = draw(trailing_dims)
@@ -315,11 +336,20 @@ def jagged_batches(draw: st.DrawFn, *, max_rows: int = 6, max_len: int = 10) -> 
     else:
         starts = [sum(lengths[:i]) + sum(gaps[: i + 1]) for i in range(len(lengths))]
         total = sum(lengths) + sum(gaps)
-    values = draw(tensors_of((total, *rest), dtype))
+    values = draw(tensors_of((total, *rest), dtype, bits=bits))
     offsets = torch.tensor([*starts, total], dtype=torch.int64)
     if gaps is None:
         return torch.nested.nested_tensor_from_jagged(values, offsets)
     return torch.nested.nested_tensor_from_jagged(values, offsets, lengths=torch.tensor(lengths, dtype=torch.int64))
+
+
+@st.composite
+def bit_tensors(draw: st.DrawFn) -> torch.Tensor:
+    """A dense tensor (0-d to 3-d) or a ``torch.jagged`` batch (holes sometimes) of any codec dtype and bit pattern."""
+    if draw(st.booleans()):
+        return draw(jagged_batches(bits=True))
+    shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+    return draw(tensors_of(shape, draw(codec_dtypes), bits=True))
 
 
 @st.composite
@@ -851,8 +881,8 @@ def row_entropies(draw: st.DrawFn, *, max_rows: int = 20) -> tuple[list[float], 
 
 # ---------------------------------------------------------------- integrity (core/integrity.py digests)
 
-DIGEST_DTYPES = (*CODEC_DTYPES, torch.int16, torch.complex64, torch.complex128)
-"""Every element width a digest reads: 1, 2, 4, 8 and 16 bytes (complex128 is two 8-byte words)."""
+DIGEST_DTYPES = (*CODEC_DTYPES, torch.complex128)
+"""Every carried dtype, and complex128 for a 16-byte element (two 8-byte words): widths 1, 2, 4, 8 and 16 bytes."""
 
 
 def _digest_tensor(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

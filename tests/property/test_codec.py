@@ -28,12 +28,9 @@ from tests.property.strategies import (
     routing_cases,
 )
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of ``t`` (so -0.0 != 0.0 and NaN payloads count)."""
-    return t.contiguous().view(_BITS[t.element_size()]) if t.dtype.is_floating_point or t.dtype == torch.bool else t
+    """The raw bytes of ``t`` (so -0.0 != 0.0 and NaN payloads count, complex included)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -180,6 +177,28 @@ def test_to_jagged_inverts_to_padded(jagged: torch.Tensor, multiple: int) -> Non
     assert all(_same(a, b) for a, b in zip(rows, back_rows))
 
 
+@given(padded_batches(bits=True), jagged_batches(bits=True))
+@settings(max_examples=40)
+def test_codec_moves_any_bit_pattern(batch: tuple[torch.Tensor, list[int]], jagged: torch.Tensor) -> None:
+    """Any bits (NaN payloads, inf, -0.0, every carried dtype incl. uint64 and float8) survive both directions."""
+    padded, lengths = batch
+    rows = _rows(to_jagged(padded, lengths))
+    assert all(_same(row, padded[i, :length]) for i, (row, length) in enumerate(zip(rows, lengths)))
+    out = to_padded(jagged)
+    assert all(_same(out[i, : row.shape[0]], row) for i, row in enumerate(_rows(jagged)))
+
+
+def test_codec_refuses_dtypes_it_does_not_carry() -> None:
+    """A dtype outside core.dtypes.CODEC_DTYPES is a TypeError naming the argument, never a torch kernel error."""
+    with pytest.raises(TypeError, match=r"'padded' must have one of the dtypes the data plane carries .*got torch.uint4"):
+        to_jagged(torch.zeros(2, 3, dtype=torch.uint4), [1, 2])
+    with pytest.raises(TypeError, match=r"'jagged' must have one of the dtypes .*got torch.float8_e8m0fnu"):
+        values = torch.zeros(3, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        to_padded(torch.nested.nested_tensor_from_jagged(values, torch.tensor([0, 1, 3])))
+    with pytest.raises(TypeError, match=r"'fields\['x'\]' must have one of the dtypes .*got torch.int4"):
+        pack_fields({"x": torch.zeros(2, 3, dtype=torch.int4)}, lengths=[1, 2], token_fields=["x"])
+
+
 @given(routing_cases())
 @settings(max_examples=60)
 def test_routed_experts_round_trip_padded_jagged_padded_with_pad_minus_one(case: dict[str, Any]) -> None:
@@ -236,6 +255,16 @@ def test_to_padded_rejects_bad_input() -> None:
         to_padded(to_jagged(torch.zeros(1, 2, dtype=torch.bool), [1]), pad_value=2)
     with pytest.raises(TypeError, match="'pad_value' must be a bool, int or float: got str"):
         to_padded(jagged, pad_value="0")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'pad_value' must be in \[-448.0, 448.0\] for a torch.float8_e4m3fn field: got 1000.0"):
+        to_padded(to_jagged(torch.zeros(1, 2, dtype=torch.float8_e4m3fn), [1]), pad_value=1000.0)
+    with pytest.raises(ValueError, match=r"'pad_value' must be finite or NaN for a torch.float8_e4m3fnuz field \(it has no infinity\): got inf"):
+        to_padded(to_jagged(torch.zeros(1, 2, dtype=torch.float8_e4m3fnuz), [1]), pad_value=float("inf"))
+    with pytest.raises(ValueError, match=r"'pad_value' must be in \[-65504.0, 65504.0\] for a torch.float16 field: got 100000.0"):
+        to_padded(to_jagged(torch.zeros(1, 2, dtype=torch.float16), [1]), pad_value=1e5)
+    inf_pad = to_padded(to_jagged(torch.zeros(2, 2, dtype=torch.float8_e5m2), [1, 0]), pad_value=float("-inf"), pad_to_length=2)
+    assert inf_pad.float()[0].tolist() == [0.0, float("-inf")]
+    with pytest.raises(ValueError, match=r"'pad_value' must be in \[0, 65535\] for a torch.uint16 field: got -1"):
+        to_padded(to_jagged(torch.zeros(1, 2, dtype=torch.uint16), [1]), pad_value=-1)
 
 
 # ---------------------------------------------------------------- helpers

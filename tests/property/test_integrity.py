@@ -18,6 +18,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
+from core.dtypes import BIT_VIEWS, from_bits, to_bits
 from core.codec import to_jagged
 from core.integrity import digest_matrix, mismatched_rows, object_row_digests, tensor_row_digests
 from tests.property.strategies import digest_columns, digest_dense_rows, digest_object_rows
@@ -99,6 +100,17 @@ def _flip_bit(column: torch.Tensor, row: int, index: int, bit: int) -> torch.Ten
     return out
 
 
+def _jagged(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Rows ``x[i, :lengths[i]]`` as a jagged tensor, by a loop (not ``to_jagged``: complex128 is digested, not carried)."""
+    values = torch.cat([x[i, :length] for i, length in enumerate(lengths)])
+    return torch.nested.nested_tensor_from_jagged(values, torch.tensor([0, *lengths]).cumsum(0))
+
+
+def _restore(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``bits`` read as ``dtype`` again when it is a bit view (see core.dtypes), else ``bits``."""
+    return from_bits(bits, dtype) if dtype in BIT_VIEWS else bits
+
+
 @given(digest_columns())
 def test_tensor_row_digests_equals_the_reference_loop(column: torch.Tensor) -> None:
     """The digests equal the docstring formulas computed row by row on copies of each row."""
@@ -121,7 +133,7 @@ def test_tensor_row_digests_depend_only_on_the_row(column: torch.Tensor) -> None
 def test_tensor_row_digests_equal_rows_equal_digests(x: torch.Tensor) -> None:
     """A copy digests the same; the jagged form of full rows digests like the dense rows."""
     assert tensor_row_digests(x.clone()) == tensor_row_digests(x)
-    assert tensor_row_digests(to_jagged(x, [x.shape[1]] * x.shape[0])) == tensor_row_digests(x)
+    assert tensor_row_digests(_jagged(x, [x.shape[1]] * x.shape[0])) == tensor_row_digests(x)
 
 
 @given(digest_dense_rows(), st.data())
@@ -141,28 +153,32 @@ def test_tensor_row_digests_detect_each_corruption(x: torch.Tensor, data: st.Dat
     lengths = [x.shape[1]] * x.shape[0]
     bits = x[row].reshape(-1).view(torch.uint8)
     corrupted = []
-    changed = x.clone()
-    changed[row, 0] = ~changed[row, 0] if x.dtype == torch.bool else changed[row, 0] + 1
+    if x.dtype in BIT_VIEWS:  # no arithmetic kernels (uint16/32/64, float8): change the element's lowest bit
+        changed = _flip_bit(x, row, 0, 0)
+    else:
+        changed = x.clone()
+        changed[row, 0] = ~changed[row, 0] if x.dtype == torch.bool else changed[row, 0] + 1
     if not torch.equal(changed[row].reshape(-1).view(torch.uint8), bits):  # e.g. a float too large to move by 1
         corrupted.append(tensor_row_digests(changed))
     short = list(lengths)
     short[row] -= 1
-    corrupted.append(tensor_row_digests(to_jagged(x, short)))
-    permuted = x.clone()
-    permuted[row] = x[row].roll(1)
+    corrupted.append(tensor_row_digests(_jagged(x, short)))
+    xb = to_bits(x) if x.dtype in BIT_VIEWS else x  # moves, copies and swaps of elements on the bit view (uint16/32/64 and float8 lack kernels)
+    permuted = xb.clone()
+    permuted[row] = xb[row].roll(1)
     if not torch.equal(permuted[row].reshape(-1).view(torch.uint8), bits):
-        corrupted.append(tensor_row_digests(permuted))
-    constant = x.clone()
-    constant[row] = x[row, 0]
+        corrupted.append(tensor_row_digests(_restore(permuted, x.dtype)))
+    constant = xb.clone()
+    constant[row] = xb[row, 0]
     if not torch.equal(constant[row].reshape(-1).view(torch.uint8), bits):
-        corrupted.append(tensor_row_digests(constant))
+        corrupted.append(tensor_row_digests(_restore(constant, x.dtype)))
     for digests in corrupted:
         assert mismatched_rows(base, digests) == (row,)
     other = (row + 1) % x.shape[0]
     if not torch.equal(x[row].reshape(-1).view(torch.uint8), x[other].reshape(-1).view(torch.uint8)):
-        swapped = x.clone()
-        swapped[[row, other]] = x[[other, row]]
-        assert set(mismatched_rows(base, tensor_row_digests(swapped))) == {row, other}
+        swapped = xb.clone()
+        swapped[[row, other]] = xb[[other, row]]
+        assert set(mismatched_rows(base, tensor_row_digests(_restore(swapped, x.dtype)))) == {row, other}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.int64])

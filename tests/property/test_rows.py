@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
@@ -17,12 +18,15 @@ from adapters.rows import (
     build_tensordict,
     columns_equal,
     common_spec,
+    from_bit_views,
     read_columns_of,
     split_column,
     stack_column,
+    to_bit_views,
 )
 from core.codec import jagged_lengths
-from tests.property.strategies import CODEC_DTYPES, dense_columns, jagged_columns, store_columns
+from core.dtypes import BIT_VIEWS
+from tests.property.strategies import CODEC_DTYPES, dense_columns, jagged_columns, store_batches, store_columns
 
 rows_and_column = st.integers(0, 5).flatmap(lambda n: st.tuples(st.just(n), store_columns(n)))
 tensor_rows_and_column = st.integers(0, 5).flatmap(
@@ -220,10 +224,16 @@ def test_split_column_rejects_wrong_row_count() -> None:
         (TensorDict({"a": torch.zeros(2)}, batch_size=[2]), r"field 'c' must be a tensor.*got a nested TensorDict"),
         (torch.zeros(2, 2).to_sparse(), r"field 'c' must be a strided \(dense\) tensor: got layout torch.sparse_coo"),
         ([1, 2], r"field 'c' must be a tensor, jagged tensor, object array or NonTensorStack: got list"),
+        (torch.zeros(2, 3, dtype=torch.uint4), r"field 'c' must have one of the dtypes the data plane carries .*: got torch.uint4"),
+        (torch.zeros(2, dtype=torch.complex128), r"field 'c' must have one of the dtypes .*: got torch.complex128"),
+        (
+            torch.nested.nested_tensor_from_jagged(torch.zeros(3, dtype=torch.uint8).view(torch.float8_e8m0fnu), torch.tensor([0, 1, 3])),
+            r"field 'c' must have one of the dtypes .*: got torch.float8_e8m0fnu",
+        ),
     ],
 )
 def test_split_column_rejects_unsupported_kinds(value: Any, match: str) -> None:
-    """Values that are not one of the four kinds raise TypeError naming the field."""
+    """Values that are not one of the four kinds, or tensors of a dtype not carried, raise TypeError naming the field."""
     with pytest.raises(TypeError, match=match):
         split_column("c", value, 2)
 
@@ -264,8 +274,10 @@ def test_column_spec_rejects_invalid_values() -> None:
     """Unknown kinds, dtypes that do not fit the kind, and bad shapes are rejected on construction."""
     with pytest.raises(ValueError, match=r"'kind' must be one of"):
         ColumnSpec("ragged", "float32")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"'dtype' must name a torch dtype for a dense column \(e.g. 'float32'\): got 'float'"):
+    with pytest.raises(ValueError, match=r"'dtype' must name a carried torch dtype for a dense column \(one of bool, .*\): got 'float'"):
         ColumnSpec("dense", "float")
+    with pytest.raises(ValueError, match=r"'dtype' must name a carried torch dtype for a jagged column .*got 'complex128'"):
+        ColumnSpec("jagged", "complex128")
     with pytest.raises(ValueError, match=r"'dtype' must be 'object' for a object_array column: got 'int64'"):
         ColumnSpec("object_array", "int64")
     with pytest.raises(ValueError, match=r"'shape' entries must be >= 0: got -1 at index 0"):
@@ -322,3 +334,43 @@ def test_column_spec_rejects_wrong_row_count() -> None:
     """A column whose first dimension is not the batch size raises, naming the field."""
     with pytest.raises(ValueError, match="'f'"):
         column_spec("f", torch.zeros(3, 2), 4)
+
+
+# ---------------------------------------------------------------- transport bit views
+
+
+@given(store_batches())
+@settings(max_examples=40)
+def test_from_bit_views_inverts_to_bit_views_across_pickling(batch: tuple[list[str], TensorDict]) -> None:
+    """A batch sent as to_bit_views gives, pickled and restored with from_bit_views, every column bit for bit;
+    exactly the uint16/32/64 and float8 columns travel viewed, as signed integers of their width."""
+    _, td = batch
+    wire, dtypes = to_bit_views(td)
+    viewed = {name for name, value in read_columns_of(td).items() if isinstance(value, torch.Tensor) and value.dtype in BIT_VIEWS}
+    assert set(dtypes) == viewed
+    for name in viewed:
+        assert wire.get(name).dtype == BIT_VIEWS[td.get(name).dtype]
+    back = from_bit_views(*pickle.loads(pickle.dumps((wire, dtypes))))
+    assert list(back.keys()) == list(td.keys())
+    for name in td.keys():
+        assert columns_equal(back.get(name), td.get(name)), name
+
+
+def test_to_bit_views_without_views_returns_the_batch_itself() -> None:
+    """A batch with no column to view is sent as it is; from_bit_views with no views returns it as it is."""
+    td = TensorDict({"x": torch.zeros(2, dtype=torch.bfloat16)}, batch_size=[2])
+    assert to_bit_views(td) == (td, {})
+    assert from_bit_views(td, {}) is td
+
+
+def test_bit_views_reject_bad_input() -> None:
+    """A dtype not carried, a non-mapping, an unknown column and a wrong bit dtype raise, naming what is wrong."""
+    with pytest.raises(TypeError, match=r"field 'c' must have one of the dtypes the data plane carries .*got torch.complex128"):
+        to_bit_views(TensorDict({"c": torch.zeros(2, dtype=torch.complex128)}, batch_size=[2]))
+    td = TensorDict({"x": torch.zeros(2, dtype=torch.int16)}, batch_size=[2])
+    with pytest.raises(TypeError, match=r"'dtypes' must be a mapping of column name -> dtype name: got list"):
+        from_bit_views(td, ["x"])  # type: ignore[arg-type]
+    with pytest.raises(KeyError, match=r"'dtypes' names column 'y', which the TensorDict lacks \(have \['x'\]\)"):
+        from_bit_views(td, {"y": "uint16"})
+    with pytest.raises(ValueError, match=r"'bits' must have dtype torch.int32 \(the bit view of torch.uint32\): got torch.int16"):
+        from_bit_views(td, {"x": "uint32"})
