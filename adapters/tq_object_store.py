@@ -42,6 +42,7 @@ Only tensor columns are stored (dense or jagged); the adapter
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import uuid
@@ -123,15 +124,30 @@ def _jagged_parts(field: str, value: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 def unframe(frame: Frame) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(values, offsets)`` of a frame as tensors that view its (read-only) buffer: gather before writing."""
-    dtype = getattr(torch, frame["dtype"])
-    with warnings.catch_warnings():  # the object store's buffers are read-only; gather_rows copies
+    raw, offsets = _row_bytes(frame)
+    return _typed(raw, frame), offsets
+
+
+def _row_bytes(frame: Frame) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The frame's values as ``uint8 [rows of values, bytes per row]``, and its offsets: gathered as bytes, every
+    dtype moves the same way (torch has no index kernels for some, e.g. ``uint16`` and the float8 types)."""
+    with warnings.catch_warnings():  # the object store's buffers are read-only; gathers copy
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.from_numpy(frame["bytes"])
         offsets = None if frame["offsets"] is None else torch.from_numpy(frame["offsets"])
-    if raw.numel() == 0:  # numpy's empty buffer has stride 0, which a dtype view refuses
-        return torch.empty(frame["shape"], dtype=dtype), offsets
-    values = raw.view(dtype).reshape(frame["shape"])
-    return values, offsets
+    rows, inner = frame["shape"][0], frame["shape"][1:]
+    width = torch.empty((), dtype=getattr(torch, frame["dtype"])).element_size() * math.prod(inner)
+    if raw.numel() == 0:  # numpy's empty buffer has stride 0, which a view refuses
+        raw = torch.empty(0, dtype=torch.uint8)
+    return raw.reshape(rows, width), offsets
+
+
+def _typed(raw: torch.Tensor, frame: Frame) -> torch.Tensor:
+    """Bytes ``[rows, bytes per row]`` read as the frame's dtype and row shape."""
+    dtype, inner = getattr(torch, frame["dtype"]), tuple(frame["shape"][1:])
+    if raw.numel() == 0:
+        return torch.empty((raw.shape[0], *inner), dtype=dtype)
+    return raw.contiguous().view(dtype).reshape(raw.shape[0], *inner)
 
 
 def gather_rows(values: torch.Tensor, offsets: torch.Tensor | None, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -169,7 +185,7 @@ def assemble_column(
     parts = []
     order: list[int] = []
     for column, positions in columns.items():
-        values, offsets = unframe(frames[column])
+        values, offsets = _row_bytes(frames[column])
         picked = [locations[p][1] for p in positions]
         stored = len(offsets) - 1 if offsets is not None else values.shape[0]
         if picked == list(range(stored)):  # the whole column in its order (a get of what one put wrote): one copy
@@ -177,7 +193,7 @@ def assemble_column(
         else:
             parts.append(gather_rows(values, offsets, torch.tensor(picked, dtype=torch.int64)))
         order.extend(positions)
-    kinds = {(p[1] is None, p[0].dtype, tuple(p[0].shape[1:])) for p in parts}
+    kinds = {(frames[c]["offsets"] is None, frames[c]["dtype"], tuple(frames[c]["shape"][1:])) for c in columns}
     if len(kinds) > 1:
         raise ValueError(f"field {field!r}: its rows were put with different kinds, dtypes or shapes: {sorted(map(str, kinds))}")
     if len(parts) == 1:
@@ -187,6 +203,7 @@ def assemble_column(
         inverse = torch.empty(len(order), dtype=torch.int64)
         inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order), dtype=torch.int64)
         values, offsets = gather_rows(values, offsets, inverse)
+    values = _typed(values, frames[next(iter(columns))])
     if offsets is None:
         return values
     return torch.nested.nested_tensor_from_jagged(values, offsets)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import ray
@@ -88,8 +89,10 @@ def test_rows_of_a_dead_writer_raise_naming_it(tq_store_session: TransferQueueSt
     assert int(store.get(["w"], partition, ["x"])["x"][0, -1]) == tq_object_store.INLINE_BYTES // 8  # writer lives
     ray.kill(writer)
     with pytest.raises(RuntimeError, match=rf"the process that wrote them died \(writers of these rows: pid {pid} "):
-        for _ in range(50):  # the owner's death reaches the object directory within moments
+        deadline = time.monotonic() + 20.0  # the owner's death reaches the object directory within moments
+        while time.monotonic() < deadline:
             store.get(["w"], partition, ["x"])
+            time.sleep(0.1)
     assert store.get(["w"], partition, ["small"])["small"].tolist() == [5]  # a small column lives in the index
     store.clear(["w"], partition)
     store.close()

@@ -134,3 +134,23 @@ def test_field_schema_reports_what_transfer_queue_reports() -> None:
         assert tuple(ours[name]["shape"]) == tuple(theirs[name]["shape"])
         assert ours[name]["is_nested"] == theirs[name]["is_nested"]
         assert ours[name].get("per_sample_shapes") == theirs[name].get("per_sample_shapes")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint64, torch.float8_e4m3fn, torch.bool], ids=str)
+def test_assembly_moves_dtypes_torch_cannot_index(dtype: torch.dtype) -> None:
+    """Rows of dtypes without torch index kernels gather as bytes: rows from two columns, reordered, bitwise."""
+    first = _jagged([2, 1], dtype, 5)
+    second = _random((1, 3), dtype, 6)
+    second = torch.nested.nested_tensor_from_jagged(second.reshape(-1), torch.tensor([0, 3]))
+    frames = {"a": frame_column("x", first, 2), "b": frame_column("x", second, 1)}
+    got = assemble_column("x", [("b", 0), ("a", 1), ("a", 0)], frames)
+    assert got.dtype == dtype and got.offsets().tolist() == [0, 3, 4, 6]
+    expected = torch.cat([_bits(second.values()), _bits(first.values()[2:3]), _bits(first.values()[0:2])])
+    assert torch.equal(_bits(got.values()), expected)
+
+
+def test_assembly_of_a_column_with_no_values_and_one_with_some() -> None:
+    empty = frame_column("x", _jagged([0], torch.float32, 0, inner=(2,)), 1)
+    full = frame_column("x", _jagged([3], torch.float32, 1, inner=(2,)), 1)
+    got = assemble_column("x", [("e", 0), ("f", 0)], {"e": empty, "f": full})
+    assert got.offsets().tolist() == [0, 0, 3] and got.values().shape == (3, 2)
