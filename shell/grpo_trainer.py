@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import math
@@ -181,6 +182,7 @@ class GRPOTrainer:
         self.policy: Policy | None = None
         self.source: StepSource | None = None
         self.timer = PhaseTimer()
+        self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-finish")
         self.run_id = uuid.uuid4().hex[:8]  # prefixes the store keys: runs sharing a partition never collide
         self.key_prefix = self.run_id + "-"
 
@@ -251,9 +253,10 @@ class GRPOTrainer:
             if store.storage_backend != wanted:
                 store.close()
                 raise ConfigError(
-                    f"data_plane.backend={self.config.data_plane.backend.value} needs TransferQueue's {wanted} "
-                    f"storage, but the TransferQueue running on this cluster uses {store.storage_backend}: "
-                    f"set data_plane.backend to match it, or stop that TransferQueue"
+                    "data_plane.backend",
+                    f"{self.config.data_plane.backend.value} needs TransferQueue's {wanted} storage, but the "
+                    f"TransferQueue running on this cluster uses {store.storage_backend}: set data_plane.backend "
+                    f"to match it, or stop that TransferQueue",
                 )
         else:
             store = TransferQueueStore.start({"backend": {"storage_backend": wanted}})
@@ -268,6 +271,7 @@ class GRPOTrainer:
                 action()
             except Exception as error:  # keep shutting down; report the first problem afterwards
                 errors.append(error)
+        self._finisher.shutdown(wait=False)  # a step waits for its own finish: nothing is pending here
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
@@ -375,10 +379,14 @@ class GRPOTrainer:
             rows = transport.write(rows, {ADVANTAGES: advantages, SAMPLE_MASK: sample_mask, **taken.columns})
         with self.timer.phase("train"):
             result = policy.train(rows, self.loss)
-        with self.timer.phase("refit"):
-            self._source.refit(policy)
-        with self.timer.phase("finish"):
-            report = transport.finish(rows)
+        # The step's clear runs while the new weights go out: they touch neither each other's data nor process.
+        finishing = self._finisher.submit(transport.finish, rows)
+        try:
+            with self.timer.phase("refit"):
+                self._source.refit(policy)
+        finally:
+            with self.timer.phase("finish"):  # what the clear adds after the refit
+                report = finishing.result()
         return self._record(step, start, taken, result, report)
 
     def _record(self, step: int, start: float, taken: StepInput, result: TrainResult, report: TransportReport) -> dict[str, Any]:

@@ -29,11 +29,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
-def bench_cluster(name: str) -> Iterator[TransferQueueStore]:
+def bench_cluster(name: str, storage: str = "RayObjectStore") -> Iterator[TransferQueueStore]:
     """Start a Ray cluster and TransferQueue for the benchmark ``name``; yield the owning store.
 
     Args:
         name: the benchmark, in the Ray namespace (``f"{name}-bench-<random>"``).
+        storage: TransferQueue's storage backend (the default run's, ``RayObjectStore``, unless told).
 
     Example:
         >>> with bench_cluster("policy") as store:  # doctest: +SKIP
@@ -49,7 +50,7 @@ def bench_cluster(name: str) -> Iterator[TransferQueueStore]:
         runtime_env={"env_vars": {"PYTHONPATH": path}},
     )
     try:
-        store = TransferQueueStore.start()
+        store = TransferQueueStore.start({"backend": {"storage_backend": storage}})
         tq_system.quiet_logs()
         try:
             yield store

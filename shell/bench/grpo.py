@@ -60,7 +60,10 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
     if cfg.steps <= cfg.warmup:
         raise ValueError(f"'steps' must exceed 'warmup' ({cfg.warmup}): got {cfg.steps}")
     results: dict[str, list[list[dict[str, Any]]]] = {"legacy": [], "data plane": []}
-    with bench_cluster("grpo"):
+    from shell.run_config import load_run_config
+
+    storage = load_run_config(list(cfg.overrides)).data_plane.backend.tq_storage or "SimpleStorage"
+    with bench_cluster("grpo", storage):
         report.start(total=2 * cfg.repeats, description="GRPO runs")
         started = time.perf_counter()
         for repeat in range(cfg.repeats):
