@@ -154,7 +154,8 @@ def start(config: Config | None = None) -> SystemHold:
         prepare_mooncake(conf)
     owns_ray = not ray.is_initialized()
     if owns_ray:
-        ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, namespace=RAY_NAMESPACE)
+        # address="local": a cluster of our own, even where a `ray start` cluster runs (as the docstring says)
+        ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, namespace=RAY_NAMESPACE)
     try:
         if is_running():
             raise RuntimeError(

@@ -100,10 +100,14 @@ async def _write(client: tq.TransferQueueClient, payload: TensorDict, meta: tq.B
 
     TQ's own ``put`` also rebuilds the meta it returns (unbinding every jagged
     column row by row) and resets torch's thread count on every call; the
-    adapter keeps its own receipt, so it skips both.
+    adapter keeps its own receipt, so it skips both. The tags go to the
+    controller on a meta of their own (see below).
     """
     await client.storage_manager.put_data(payload, meta)
-    await client.async_set_custom_meta(meta)
+    # TQ's client deep-copies the meta it is given, field schemas (a shape per row and field) included:
+    # hand it the keys' tags alone.
+    tags = tq.BatchMeta(global_indexes=meta.global_indexes, partition_ids=meta.partition_ids, custom_meta=meta.custom_meta)
+    await client.async_set_custom_meta(tags)
 
 
 # ---------------------------------------------------------------- stores

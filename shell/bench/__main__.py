@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     dataplane.add_argument("--rows", type=int, default=256, help="rows in the payload (default 256)")
     dataplane.add_argument("--profile", action="store_true", help="also profile the adapter's put and get")
     dataplane.add_argument(
-        "--tq-backend", choices=("SimpleStorage", "RayObjectStore", "MooncakeStore"), default="SimpleStorage",
-        help="TransferQueue storage backend (default SimpleStorage; MooncakeStore needs the mooncake package)",
+        "--tq-backend", choices=("RayObjectStore", "SimpleStorage", "MooncakeStore"), default="RayObjectStore",
+        help="TransferQueue storage backend (default RayObjectStore, the runs' default; SimpleStorage is TransferQueue as shipped; MooncakeStore needs the mooncake package)",
     )
     dataplane.add_argument("--markdown", action="store_true", help="print Markdown tables")
     policy = sub.add_parser("policy", help="bytes through the driver and wall time: legacy vs data-plane policy")

@@ -71,7 +71,7 @@ class DataplaneConfig:
     repeats: int = 30
     seed: int = 0
     profile: bool = False
-    tq_backend: str = "SimpleStorage"
+    tq_backend: str = "RayObjectStore"
     """TransferQueue's storage backend; ``MooncakeStore`` runs over TCP with segments sized by :data:`MOONCAKE_BENCH`."""
 
 
@@ -282,9 +282,20 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
                 _ratio_row("adapter put time / raw TQ put", paired(puts[ADAPTER], puts[RAW_TQ]), 1.05, percent=False),
                 _ratio_row("adapter get time / raw TQ get", paired(gets[ADAPTER], gets[RAW_TQ]), 1.05, percent=False),
                 _ratio_row("hashing a get's rows / raw TQ get", paired(hashing, gets[RAW_TQ]), 0.10, percent=True),
-                _ratio_row("integrity put / metered put (end to end)", paired(puts[INTEGRITY], puts[METERED]), None, percent=False),
-                _ratio_row("integrity get / metered get (end to end)", paired(gets[INTEGRITY], gets[METERED]), None, percent=False),
+                _ratio_row("integrity put / metered put (end to end)", paired(puts[INTEGRITY], puts[METERED]), 1.10, percent=False),
+                _ratio_row("integrity get / metered get (end to end)", paired(gets[INTEGRITY], gets[METERED]), 1.10, percent=False),
+                _ratio_row("adapter put time / ray.put", paired(puts[ADAPTER], puts[RAY]), 2.0, percent=False),
+                _ratio_row("adapter get time / ray.get", paired(gets[ADAPTER], gets[RAY]), 2.0, percent=False),
             ],
+        )
+        stores = {ADAPTER: store, METERED: MeteredClient(store), MEMORY: memory}
+        tiny = {name: _tiny_get_ms(client, partitions[name], max(50, cfg.repeats)) for name, client in stores.items()}
+        tiny[RAW_TQ] = _tiny_get_ms(_RawTQ(), partitions[RAW_TQ], max(50, cfg.repeats))
+        report.table(
+            f"per-call latency: get of 1 key and 1 field (int64 scalar), median of {max(50, cfg.repeats)} calls ({cfg.tq_backend})",
+            ["transport", "ms", "goal", "met"],
+            [[name, f"{ms:.2f}", "<= 5.00" if name == ADAPTER else "-", ("yes" if ms <= 5.0 else "no") if name == ADAPTER else "-"]
+             for name, ms in tiny.items()],
         )
 
         ours_put, ours_get = med[ADAPTER]
@@ -313,6 +324,31 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
     finally:
         store.close()
     report.finish()
+
+
+class _RawTQ:
+    """TransferQueue's own key/value calls, as a client."""
+
+    def put(self, keys: Any, partition_id: str, fields: TensorDict) -> None:
+        raw.raw_tq_put(keys, partition_id, fields)
+
+    def get(self, keys: Any, partition_id: str, select_fields: Any) -> TensorDict:
+        return raw.raw_tq_get(keys, partition_id, select_fields)
+
+    def clear(self, keys: Any, partition_id: str) -> None:
+        raw.raw_tq_clear(keys, partition_id)
+
+
+def _tiny_get_ms(client: Any, partition: str, repeats: int) -> float:
+    """Median wall time of a get of one key's one small field (among 3) from ``client``; one warm-up get first."""
+    tiny = TensorDict({name: torch.zeros(1, dtype=torch.int64) for name in FIELDS}, batch_size=[1])
+    client.put(["tiny"], partition, tiny)
+    get = lambda: client.get(["tiny"], partition, [FIELDS[0]])  # noqa: E731
+    try:
+        get()
+        return _median_us(get, repeats) / 1e3
+    finally:
+        client.clear(["tiny"], partition)
 
 
 def _profile(store: Any, td: TensorDict, report: Report) -> None:
