@@ -47,10 +47,11 @@ from shell.rollout import RolloutConfig, RolloutResult, RolloutWorker
 from shell.run_config import RunConfig
 from shell.step_rows import StepRows
 from shell.transport import Transport
-from shell.worker_errors import WorkerError
+from shell.worker_errors import WorkerError, WorkerTimeoutError
 from shell.worker_group import WorkerGroup
 
 _POLL_S = (0.002, 0.05)
+_PING_S = 5.0  # how long a failed weight push waits for the engine to answer, to tell whether it died
 _ONE_RANK = NamedSharding({"data_parallel": 1})  # first and longest pause while the trainer waits for the buffer
 
 
@@ -161,15 +162,47 @@ class RolloutSource:
         self._last: float | None = None  # when the previous step's rows were handed over
 
     def refit(self, policy: Policy) -> None:
-        policy.push_weights(self.group.actors[0])
+        """Policy rank 0 pushes the weights to the engine; if the engine died, the error names the engine.
+
+        Raises:
+            WorkerError: the rollout engine is dead (named so), or a policy rank failed.
+        """
+        try:
+            policy.push_weights(self.group.actors[0])
+        except WorkerError as error:
+            dead = self._engine_death()
+            if dead:
+                raise _named(
+                    "the rollout engine", "load_weights", f"it died; policy rank 0 could not push the weights to it ({dead})"
+                ) from error
+            raise
 
     def load_weights(self, state_ref: Any) -> None:
-        self.group.call(RolloutWorker.load_weights, state_ref)
+        self._call_engine(RolloutWorker.load_weights, state_ref)
 
     def process_ids(self) -> dict[str, int]:
         from shell.worker import Worker
 
-        return {"rollout": self.group.call(Worker.process_id)[0]}
+        return {"rollout": self._call_engine(Worker.process_id)}
+
+    def _call_engine(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """``method`` on the engine; a failure is a :class:`WorkerError` naming the rollout engine."""
+        try:
+            return self.group.call(method, *args, **kwargs)[0]
+        except WorkerError as error:
+            raise _named("the rollout engine", method.__name__, str(error)) from error
+
+    def _engine_death(self) -> str:
+        """Why the engine is dead (its first error line), or "" if it answers a ping within ``_PING_S``."""
+        from shell.worker import Worker
+
+        try:
+            self.group.collect(self.group.submit(Worker.process_id), Worker.process_id, timeout_s=_PING_S)
+        except WorkerTimeoutError:
+            return ""  # alive but busy: not known dead
+        except WorkerError as error:
+            return str(error).splitlines()[0]
+        return ""
 
     def close(self) -> None:
         self.group.shutdown()
@@ -197,7 +230,7 @@ class RolloutSource:
             prompts = self.config.task.instance.prompts(self.config.seed, step * limit + batch_index, target)
             started = time.perf_counter()
             with timer.phase("rollout"):
-                (result,) = self.group.call(
+                result = self._call_engine(
                     RolloutWorker.generate,
                     prompts,
                     step=step,
