@@ -170,10 +170,9 @@ class RolloutSource:
         try:
             policy.push_weights(self.group.actors[0])
         except WorkerError as error:
-            dead = self._engine_death()
-            if dead:
+            if self._engine_dead():
                 raise _named(
-                    "the rollout engine", "load_weights", f"it died; policy rank 0 could not push the weights to it ({dead})"
+                    "the rollout engine", "load_weights", "its actor is dead (policy rank 0 could not push the weights to it)"
                 ) from error
             raise
 
@@ -192,17 +191,17 @@ class RolloutSource:
         except WorkerError as error:
             raise _named("the rollout engine", method.__name__, str(error)) from error
 
-    def _engine_death(self) -> str:
-        """Why the engine is dead (its first error line), or "" if it answers a ping within ``_PING_S``."""
+    def _engine_dead(self) -> bool:
+        """Whether the engine fails a ping (a ``Worker.process_id`` call) within ``_PING_S``; busy is not dead."""
         from shell.worker import Worker
 
         try:
             self.group.collect(self.group.submit(Worker.process_id), Worker.process_id, timeout_s=_PING_S)
         except WorkerTimeoutError:
-            return ""  # alive but busy: not known dead
-        except WorkerError as error:
-            return str(error).splitlines()[0]
-        return ""
+            return False
+        except WorkerError:
+            return True
+        return False
 
     def close(self) -> None:
         self.group.shutdown()
