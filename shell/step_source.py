@@ -47,12 +47,11 @@ from shell.rollout import RolloutConfig, RolloutResult, RolloutWorker
 from shell.run_config import RunConfig
 from shell.step_rows import StepRows
 from shell.transport import Transport
-from shell.worker_errors import WorkerError, WorkerTimeoutError
+from shell.worker_errors import WorkerError, WorkerTimeoutError, component_error
 from shell.worker_group import WorkerGroup
 
 _POLL_S = (0.002, 0.05)
 _PING_S = 5.0  # how long a failed weight push waits for the engine to answer, to tell whether it died
-_ONE_RANK = NamedSharding({"data_parallel": 1})  # first and longest pause while the trainer waits for the buffer
 
 
 class NotEnoughGroups(RuntimeError):
@@ -468,9 +467,7 @@ class CollectorSource:
         self._loop = None
 
 
-def _named(actor: str, method: str, message: str) -> WorkerError:
-    """A :class:`WorkerError` whose message starts with the actor's role (the run prints its first line)."""
-    return WorkerError(f"{actor} failed in '{method}': {message}", rank=0, coords=_ONE_RANK.coords(0), method=method)
+_named = component_error  # the engine's, the collector's and the buffer's failures name them
 
 
 def _step_rows(groups: Sequence[GroupReceipt]) -> tuple[StepRows, RolloutCarry]:

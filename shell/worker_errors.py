@@ -133,3 +133,25 @@ first (ranks in a collective with it fail as a consequence), else the lowest fai
     )
     failure.__cause__ = error
     return failure
+
+
+_ONE_RANK = NamedSharding({"data_parallel": 1})
+
+
+def component_error(component: str, method: str, message: str) -> WorkerError:
+    """A :class:`WorkerError` for a single-process component, its message starting with the component's name.
+
+    ``python -m shell.run`` prints the first line of a failure, so that line
+    names what failed: ``"the rollout engine failed in 'generate': ..."``.
+
+    Args:
+        component: what failed, as a reader names it (``"the rollout engine"``, ``"the store"``).
+        method: the call that failed.
+        message: why.
+
+    Raises:
+        ValueError: ``component`` or ``method`` is empty.
+    """
+    if not component or not method:
+        raise ValueError(f"'component' and 'method' must be non-empty: got {component!r}, {method!r}")
+    return WorkerError(f"{component} failed in '{method}': {message}", rank=0, coords=_ONE_RANK.coords(0), method=method)
