@@ -124,7 +124,7 @@ class WorkerGroup:
 
     Raises:
         TypeError: ``worker_cls`` is not a ``Worker`` subclass, ``sharding`` is
-            not a ``NamedSharding``, or an amount is not a number.
+            not a ``NamedSharding``, an amount is not a number, or ``role`` is not a str.
         ValueError: an unknown backend, NCCL without GPUs, or a negative amount.
         RuntimeError: Ray is not initialised.
         WorkerError: an actor failed to start or to join the process group.
