@@ -15,7 +15,8 @@ Invariants:
     naming ``ray.address``;
   * joining or starting Ray leaves the process's SIGINT and SIGTERM handlers
     as they were (``ray.init`` installs its own SIGTERM handler, which exits
-    without the run's clean-up);
+    without the run's clean-up), and a SIGTERM during ``ray.init`` reaches
+    the caller's handler;
   * joining presents this machine's Ray token when it has one (``ray start``
     turns token authentication on when ``~/.ray/auth_token`` exists), as
     ``ray.init(address="auto")`` does by itself; ``RAY_AUTH_MODE``, when set, decides.
@@ -29,8 +30,9 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -161,22 +163,20 @@ def connect(config: RaySection, say: Callable[[str], None]) -> bool:
     runtime_env = {"env_vars": {"PYTHONPATH": path}}
     if config.address is None:
         say("starting Ray (embedded)")
-        with _keeping_signal_handlers():
-            ray.init(
-                address="local",
-                num_cpus=config.num_cpus,
-                include_dashboard=False,
-                runtime_env=runtime_env,
-                log_to_driver=False,
-            )
+        _init_ray(
+            address="local",
+            num_cpus=config.num_cpus,
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            log_to_driver=False,
+        )
         return True
     check_address(config)
     target = resolve_address(config.address)
     say(f"joining Ray at {target}")
     _present_token()
     try:
-        with _keeping_signal_handlers():
-            ray.init(address=target, runtime_env=runtime_env, log_to_driver=False)
+        _init_ray(address=target, runtime_env=runtime_env, log_to_driver=False)
     except Exception as error:  # Ray raises ConnectionError, RuntimeError, AuthenticationError, ...
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(
@@ -187,20 +187,37 @@ def connect(config: RaySection, say: Callable[[str], None]) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _keeping_signal_handlers() -> Iterator[None]:
-    """Put SIGINT's and SIGTERM's handlers back as they were after the body (``ray.init`` replaces SIGTERM's with
-    one that exits at once, without the caller's clean-up; in the main thread only, where handlers live)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+def _init_ray(**kwargs: Any) -> None:
+    """``ray.init(**kwargs)``, leaving the SIGINT and SIGTERM handlers as they were (main thread only, where handlers
+    live).
+
+    ``ray.init`` installs SIGTERM handlers of its own that end the process with
+    ``SystemExit`` (15; 1 after stopping an embedded node) and no clean-up of
+    the caller's. A SIGTERM during ``ray.init`` therefore goes to the caller's
+    handler once the handlers are back (it raises what that handler raises);
+    an interrupted or failed ``ray.init`` is shut down first, so none of what it
+    started is left.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
-        yield
+        ray.init(**kwargs)
+    except BaseException as error:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        _restore_handlers(saved)
+        handler = saved.get(signal.SIGTERM)
+        if isinstance(error, SystemExit) and callable(handler):
+            handler(signal.SIGTERM, None)
+        raise
     finally:
-        for sig, handler in saved.items():
-            if handler is not None:
-                signal.signal(sig, handler)
+        _restore_handlers(saved)
+
+
+def _restore_handlers(saved: dict[signal.Signals, Any]) -> None:
+    for sig, handler in saved.items():
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 def _present_token() -> None:

@@ -40,7 +40,7 @@ from shell.run_config import ConfigError, ProgressMode, describe_keys, load_run_
 from shell.run_log import MetricsLog, read_metrics
 from shell.run_plot import plot_run
 from shell.run_progress import RunProgress
-from shell.run_stop import EXIT_INTERRUPTED, Interrupted, RunStopper
+from shell.run_stop import EXIT_INTERRUPTED, RunStopper
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 
@@ -171,8 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except ConfigError as error:
                 console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
                 status = EXIT_USAGE
-        except (KeyboardInterrupt, Interrupted) as interrupt:  # also one raised while reporting a failure
-            name = f" ({interrupt})" if isinstance(interrupt, Interrupted) else ""
+        except KeyboardInterrupt:  # the stopper's Interrupted, or Ray's in its stead (also while reporting a failure)
+            name = f" ({stopper.signal_name})" if stopper.signal_name else ""
             console.print(f"[yellow]interrupted{name}[/] during step {step}: shutting down cleanly", highlight=False)
             status = EXIT_INTERRUPTED
         finally:

@@ -35,9 +35,16 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _RAY_WORKER_TITLE = "ray::"  # Ray sets its workers' process titles so: a recorded pid is killed only if it still is one
 
 
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM reached the driver; ``signum`` is which. A ``BaseException``, as ``KeyboardInterrupt``
-    is: clean-up code that catches ``Exception`` to carry on must not swallow it."""
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached the driver; ``signum`` is which.
+
+    A ``KeyboardInterrupt``: clean-up code that catches ``Exception`` does not
+    swallow it, and Ray's blocking calls (``ray.get``, ``ray.wait``), which
+    check for signals while they wait, turn it into their own
+    ``KeyboardInterrupt`` (any other exception from a signal handler there is a
+    ``SystemError``). So catch ``KeyboardInterrupt``, and read the signal from
+    :attr:`RunStopper.signal_name`.
+    """
 
     def __init__(self, signum: int) -> None:
         self.signum = signum
@@ -65,6 +72,7 @@ class RunStopper:
         self._say = say
         self.timeout_s = timeout_s
         self.signals = 0  # how many signals arrived
+        self.signal_name = ""  # the first one's name ("SIGTERM")
         self._pids: set[int] = set()
         self._status: int | None = None  # the clean-up's status, once it began
         self._timer: threading.Timer | None = None
@@ -110,6 +118,7 @@ class RunStopper:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.signals += 1
         name = signal.Signals(signum).name
+        self.signal_name = self.signal_name or name
         if self._status is not None or self.signals > 1:
             self._hard_stop(f"{name} during the clean-up")
         self._start_timer()  # the clean-up begins now (the step's own abort included)

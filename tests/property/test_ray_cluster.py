@@ -126,6 +126,32 @@ def test_connect_keeps_the_signal_handlers(monkeypatch: pytest.MonkeyPatch) -> N
             signal.signal(sig, handler)
 
 
+def test_connect_hands_a_sigterm_during_ray_init_to_the_callers_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ray.init's own SIGTERM handler ends it with SystemExit(15): connect shuts down what it started and raises what
+    the caller's SIGTERM handler raises instead."""
+
+    class Stop(BaseException):
+        pass
+
+    def mine(signum: int, frame: Any) -> None:
+        raise Stop(signum)
+
+    def init(**kwargs: Any) -> None:
+        raise SystemExit(signal.SIGTERM)  # what ray.init's handler does on SIGTERM
+
+    shutdowns: list[bool] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(True))
+    saved = signal.signal(signal.SIGTERM, mine)
+    try:
+        with pytest.raises(Stop):
+            ray_cluster.connect(RaySection(address=None, num_cpus=1), lambda message: None)
+        assert signal.getsignal(signal.SIGTERM) is mine and shutdowns == [True]
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+
+
 def test_connect_uses_the_ray_this_process_has(monkeypatch: pytest.MonkeyPatch) -> None:
     """With Ray already initialised (a library caller, the test session), connect starts nothing and owns nothing."""
     monkeypatch.setattr(ray, "is_initialized", lambda: True)

@@ -62,15 +62,16 @@ def test_run_stopper_hard_stop_kills_descendants_and_exits_130(scenario: str) ->
 
 
 def test_run_stopper_first_signal_raises_interrupted_and_restores_handlers() -> None:
-    """SIGTERM in the body raises Interrupted (not an Exception: clean-up code cannot swallow it); the previous
-    handlers are back afterwards."""
+    """SIGTERM in the body raises Interrupted (a KeyboardInterrupt, not an Exception: clean-up code cannot swallow
+    it, and Ray's waits pass it on); the previous handlers are back afterwards."""
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     stopper = RunStopper(lambda message: None)
     with stopper.installed(), pytest.raises(Interrupted, match="SIGTERM") as info:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
-    assert not isinstance(info.value, Exception) and info.value.signum == signal.SIGTERM
-    assert stopper.interrupted
+    assert isinstance(info.value, KeyboardInterrupt) and not isinstance(info.value, Exception)
+    assert info.value.signum == signal.SIGTERM
+    assert stopper.interrupted and stopper.signal_name == "SIGTERM"
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
