@@ -206,6 +206,36 @@ def test_run_sigterm_exits_130_cleanly(tmp_path: Path) -> None:
     _assert_no_orphans(tree)
 
 
+def test_run_sigterm_during_start_up_exits_130(tmp_path: Path) -> None:
+    """SIGTERM as soon as the embedded Ray cluster's first process exists (ray.init, whose own SIGTERM handler
+    would exit 15, is then usually still running): exit 130, no process survives."""
+    proc = _start(tmp_path)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    tree: list[psutil.Process] = []
+    while not tree:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run started no process"
+        time.sleep(0.1)
+        tree = _descendants(proc.pid)
+    interrupted_at = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    seen = set(tree)
+    while proc.poll() is None and time.monotonic() - interrupted_at < EXIT_BOUND_S:
+        seen.update(_live_descendants(proc.pid))  # what start-up had under way when the signal came
+        time.sleep(0.1)
+    status, err, took = _finish(proc, interrupted_at)
+    assert status == 130, err
+    assert "interrupted (SIGTERM)" in err, err
+    assert took < EXIT_BOUND_S
+    _assert_no_orphans(list(seen))
+
+
+def _live_descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return _descendants(pid)
+    except psutil.Error:  # the driver just exited
+        return []
+
+
 def test_run_sigterm_on_a_joined_cluster_exits_130_and_stops_its_actors(ray_head: tuple[str, str], tmp_path: Path) -> None:
     """SIGTERM to a driver that joined a `ray start` cluster: exit 130, every actor process on the cluster (the
     run's: processes.json's and the store's) is gone within the orphan grace, and the cluster itself still runs."""
