@@ -12,7 +12,8 @@ the addition task, and leaves in ``run.dir`` (default ``runs/<timestamp>/``):
 
 Exit status: 0 when the run finishes, 1 when a step fails (the message names
 the step and the component that failed: a policy rank, the rollout engine or
-collector, the replay buffer; a ``component_error``), 2 for a bad command line, config,
+collector, or the replay buffer; any other component names itself through
+``shell.worker_errors.component_error``), 2 for a bad command line, config,
 run folder, checkpoint or cluster address (one line naming the key, before
 anything starts; an unreachable ``ray.address`` within seconds), 130 after
 SIGINT (Ctrl-C) or SIGTERM. On every exit the run clears its store keys and

@@ -50,7 +50,7 @@ from shell.transport import Transport
 from shell.worker_errors import WorkerError, WorkerTimeoutError, component_error
 from shell.worker_group import WorkerGroup
 
-_POLL_S = (0.002, 0.05)
+_POLL_S = (0.002, 0.05)  # first and longest pause while the trainer waits for the buffer
 _PING_S = 5.0  # how long a failed weight push waits for the engine to answer, to tell whether it died
 
 
