@@ -120,6 +120,7 @@ def build_group(
         num_cpus_per_worker=config.num_cpus_per_worker,
         timeout_s=config.timeout_s,
         pg_timeout_s=config.timeout_s,
+        role="policy",
     )
     try:
         group.call(PolicyWorker.setup)

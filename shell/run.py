@@ -11,10 +11,15 @@ the addition task, and leaves in ``run.dir`` (default ``runs/<timestamp>/``):
 ``reward.png`` and ``checkpoint.pt``. ``--help`` lists every config key.
 
 Exit status: 0 when the run finishes, 1 when a step fails (the message names
-the step and, for a worker, its rank), 2 for a bad command line, config, run
-folder, checkpoint or cluster address (one line naming the key, before anything
-starts), 130 after Ctrl-C. On every exit the run clears its store keys and
-stops what it started.
+the step and the component that failed: a policy rank, the rollout engine or
+collector, or the replay buffer; any other component names itself through
+``shell.worker_errors.component_error``), 2 for a bad command line, config,
+run folder, checkpoint or cluster address (one line naming the key, before
+anything starts; an unreachable ``ray.address`` within seconds), 130 after
+SIGINT (Ctrl-C) or SIGTERM. On every exit the run clears its store keys and
+stops what it started; that clean-up is bounded (:mod:`shell.run_stop`): a
+second signal, or :data:`shell.run_stop.CLEANUP_TIMEOUT_S`, kills the run's
+processes instead.
 """
 
 from __future__ import annotations
@@ -23,12 +28,10 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from rich.console import Console
@@ -38,8 +41,9 @@ from shell.run_config import ConfigError, ProgressMode, describe_keys, load_run_
 from shell.run_log import MetricsLog, read_metrics
 from shell.run_plot import plot_run
 from shell.run_progress import RunProgress
+from shell.run_stop import EXIT_INTERRUPTED, RunStopper
 
-EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_FAILED, EXIT_USAGE = 1, 2
 
 
 def _help_epilog() -> str:
@@ -76,15 +80,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_intermixed_args(list(argv))  # overrides may come before and after the options
 
 
-class _Interrupted(Exception):
-    """SIGTERM, turned into a clean shutdown like Ctrl-C."""
-
-
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise _Interrupted(f"signal {signum}")
-
-
-def _write_processes(trainer: Any, path: Path) -> None:
+def _write_processes(trainer: Any, path: Path) -> dict[str, Any]:
     from shell.worker import Worker
 
     policy = trainer.policy.group if trainer.policy is not None else None
@@ -94,6 +90,16 @@ def _write_processes(trainer: Any, path: Path) -> None:
     if trainer.source is not None:
         info.update(trainer.source.process_ids())
     path.write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+def _worker_pids(info: Any) -> list[int]:
+    """Every pid in ``processes.json``'s record but the driver's (roles may nest: ``{"policy": {"0": pid}}``)."""
+    if isinstance(info, dict):
+        return [pid for key, value in info.items() if key != "driver" for pid in _worker_pids(value)]
+    if isinstance(info, (list, tuple)):
+        return [pid for value in info for pid in _worker_pids(value)]
+    return [info] if isinstance(info, int) and not isinstance(info, bool) else []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,57 +131,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.grpo.async_.enabled:
         path += f", async (max_staleness={config.grpo.async_.max_staleness})"
     console.print(f"GRPO: {total} steps, {path}, output in {escape(str(run_dir))}", highlight=False)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    stopper = RunStopper(lambda message: console.print(f"[bold red]{escape(message)}[/]", highlight=False))
     step = first - 1
     status = 0
-    try:
-        trainer.start(on_status=lambda message: console.print(f"  {message}", highlight=False))
-        tq_system.quiet_logs()
-        _write_processes(trainer, run_dir / PROCESSES_FILE)
-        if checkpoint is not None:
-            trainer.load_policy_state(checkpoint["weights"])
-            console.print(f"  resumed from step {checkpoint['step']}", highlight=False)
-        progress: Any = contextlib.nullcontext()
-        if mode != ProgressMode.off:
-            progress = RunProgress(
-                total=total,
-                start=min(first - 1, total),
-                plain=None if mode == ProgressMode.auto else mode == ProgressMode.plain,
-            )
-        every = config.run.checkpoint_every
-        with MetricsLog(run_dir / METRICS_FILE, drop_after=first - 1) as log, progress, open(
-            run_dir / SAMPLES_FILE, "a", encoding="utf-8"
-        ) as samples:
-            for step in range(first, total + 1):
-                record = trainer.step(step)
-                for sample in record.pop("samples"):
-                    samples.write(json.dumps({"step": step, **sample}) + "\n")
-                samples.flush()
-                written = log.write(record)
-                if mode != ProgressMode.off:
-                    progress.advance(written)
-                if every and step % every == 0 and step < total:
-                    trainer.save_checkpoint(run_dir, step)
-        trainer.save_checkpoint(run_dir, total)
-        console.print(f"done: {total} steps; checkpoint {escape(str(run_dir / 'checkpoint.pt'))}", highlight=False)
-    except (KeyboardInterrupt, _Interrupted):
-        console.print(f"[yellow]interrupted[/] during step {step}: shutting down cleanly", highlight=False)
-        status = EXIT_INTERRUPTED
-    except (WorkerError, StepError) as error:
-        console.print(f"[bold red]run failed[/] at step {step}: {escape(_summary(error))}", highlight=False)
-        status = EXIT_FAILED
-    except ConfigError as error:
-        console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
-        status = EXIT_USAGE
-    finally:
+    with stopper.installed():
         try:
-            trainer.close()
-        except Exception as error:  # report, but the run's own outcome decides the status
-            console.print(f"[yellow]warning:[/] shutdown: {escape(str(error))}", highlight=False)
-            status = status or EXIT_FAILED
-        signal.signal(signal.SIGTERM, previous)
-    _plot(run_dir, console)
-    return status
+            try:
+                trainer.start(on_status=lambda message: console.print(f"  {message}", highlight=False))
+                tq_system.quiet_logs()
+                stopper.track(_worker_pids(_write_processes(trainer, run_dir / PROCESSES_FILE)))
+                if checkpoint is not None:
+                    trainer.load_policy_state(checkpoint["weights"])
+                    console.print(f"  resumed from step {checkpoint['step']}", highlight=False)
+                progress: Any = contextlib.nullcontext()
+                if mode != ProgressMode.off:
+                    progress = RunProgress(
+                        total=total,
+                        start=min(first - 1, total),
+                        plain=None if mode == ProgressMode.auto else mode == ProgressMode.plain,
+                    )
+                every = config.run.checkpoint_every
+                with MetricsLog(run_dir / METRICS_FILE, drop_after=first - 1) as log, progress, open(
+                    run_dir / SAMPLES_FILE, "a", encoding="utf-8"
+                ) as samples:
+                    for step in range(first, total + 1):
+                        record = trainer.step(step)
+                        for sample in record.pop("samples"):
+                            samples.write(json.dumps({"step": step, **sample}) + "\n")
+                        samples.flush()
+                        written = log.write(record)
+                        if mode != ProgressMode.off:
+                            progress.advance(written)
+                        if every and step % every == 0 and step < total:
+                            trainer.save_checkpoint(run_dir, step)
+                trainer.save_checkpoint(run_dir, total)
+                console.print(f"done: {total} steps; checkpoint {escape(str(run_dir / 'checkpoint.pt'))}", highlight=False)
+            except (WorkerError, StepError) as error:
+                console.print(f"[bold red]run failed[/] at step {step}: {escape(_summary(error))}", highlight=False)
+                status = EXIT_FAILED
+            except ConfigError as error:
+                console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
+                status = EXIT_USAGE
+        except KeyboardInterrupt:  # the stopper's Interrupted, or Ray's in its stead (also while reporting a failure)
+            name = f" ({stopper.signal_name})" if stopper.signal_name else ""
+            console.print(f"[yellow]interrupted{name}[/] during step {step}: shutting down cleanly", highlight=False)
+            status = EXIT_INTERRUPTED
+        finally:
+            with stopper.cleanup(status):
+                try:
+                    trainer.close()
+                except Exception as error:  # report, but the run's own outcome decides the status
+                    console.print(f"[yellow]warning:[/] shutdown: {escape(str(error))}", highlight=False)
+                    status = status or EXIT_FAILED
+                _plot(run_dir, console)
+    return EXIT_INTERRUPTED if stopper.interrupted else status
 
 
 def _summary(error: BaseException) -> str:

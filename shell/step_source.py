@@ -47,11 +47,11 @@ from shell.rollout import RolloutConfig, RolloutResult, RolloutWorker
 from shell.run_config import RunConfig
 from shell.step_rows import StepRows
 from shell.transport import Transport
-from shell.worker_errors import WorkerError
+from shell.worker_errors import WorkerError, WorkerTimeoutError, component_error
 from shell.worker_group import WorkerGroup
 
-_POLL_S = (0.002, 0.05)
-_ONE_RANK = NamedSharding({"data_parallel": 1})  # first and longest pause while the trainer waits for the buffer
+_POLL_S = (0.002, 0.05)  # first and longest pause while the trainer waits for the buffer
+_PING_S = 5.0  # how long a failed weight push waits for the engine to answer, to tell whether it died
 
 
 class NotEnoughGroups(RuntimeError):
@@ -161,15 +161,46 @@ class RolloutSource:
         self._last: float | None = None  # when the previous step's rows were handed over
 
     def refit(self, policy: Policy) -> None:
-        policy.push_weights(self.group.actors[0])
+        """Policy rank 0 pushes the weights to the engine; if the engine died, the error names the engine.
+
+        Raises:
+            WorkerError: the rollout engine is dead (named so), or a policy rank failed.
+        """
+        try:
+            policy.push_weights(self.group.actors[0])
+        except WorkerError as error:
+            if self._engine_dead():
+                raise _named(
+                    "the rollout engine", "load_weights", "its actor is dead (policy rank 0 could not push the weights to it)"
+                ) from error
+            raise
 
     def load_weights(self, state_ref: Any) -> None:
-        self.group.call(RolloutWorker.load_weights, state_ref)
+        self._call_engine(RolloutWorker.load_weights, state_ref)
 
     def process_ids(self) -> dict[str, int]:
         from shell.worker import Worker
 
-        return {"rollout": self.group.call(Worker.process_id)[0]}
+        return {"rollout": self._call_engine(Worker.process_id)}
+
+    def _call_engine(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """``method`` on the engine; a failure is a :class:`WorkerError` naming the rollout engine."""
+        try:
+            return self.group.call(method, *args, **kwargs)[0]
+        except WorkerError as error:
+            raise _named("the rollout engine", method.__name__, str(error)) from error
+
+    def _engine_dead(self) -> bool:
+        """Whether the engine fails a ping (a ``Worker.process_id`` call) within ``_PING_S``; busy is not dead."""
+        from shell.worker import Worker
+
+        try:
+            self.group.collect(self.group.submit(Worker.process_id), Worker.process_id, timeout_s=_PING_S)
+        except WorkerTimeoutError:
+            return False
+        except WorkerError:
+            return True
+        return False
 
     def close(self) -> None:
         self.group.shutdown()
@@ -197,7 +228,7 @@ class RolloutSource:
             prompts = self.config.task.instance.prompts(self.config.seed, step * limit + batch_index, target)
             started = time.perf_counter()
             with timer.phase("rollout"):
-                (result,) = self.group.call(
+                result = self._call_engine(
                     RolloutWorker.generate,
                     prompts,
                     step=step,
@@ -436,9 +467,7 @@ class CollectorSource:
         self._loop = None
 
 
-def _named(actor: str, method: str, message: str) -> WorkerError:
-    """A :class:`WorkerError` whose message starts with the actor's role (the run prints its first line)."""
-    return WorkerError(f"{actor} failed in '{method}': {message}", rank=0, coords=_ONE_RANK.coords(0), method=method)
+_named = component_error  # the engine's, the collector's and the buffer's failures name them
 
 
 def _step_rows(groups: Sequence[GroupReceipt]) -> tuple[StepRows, RolloutCarry]:

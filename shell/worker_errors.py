@@ -89,10 +89,17 @@ def _rebuild_error(
 
 
 def failure_error(
-    sharding: NamedSharding, method: str, failures: Mapping[Rank, RayError], *, still_running: int, called: int
+    sharding: NamedSharding,
+    method: str,
+    failures: Mapping[Rank, RayError],
+    *,
+    still_running: int,
+    called: int,
+    role: str = "",
 ) -> WorkerError:
     """ONE ``WorkerError`` for a call in which ``failures`` (rank -> Ray error) happened: a dead rank is named
-first (ranks in a collective with it fail as a consequence), else the lowest failed rank."""
+first (ranks in a collective with it fail as a consequence), else the lowest failed rank; ``role`` (e.g.
+``"policy"``) goes before the word rank."""
     failed = tuple(sorted(failures))
     # A dead actor is the cause; ranks in a collective with it fail as a consequence: name it first.
     dead = [r for r in failed if isinstance(failures[r], RayActorError)]
@@ -100,7 +107,7 @@ first (ranks in a collective with it fail as a consequence), else the lowest fai
     shown = "dead rank shown" if dead and len(failed) > 1 else "lowest rank shown"
     error = failures[first]
     coords = sharding.coords(first)
-    where = f"rank {first} ({format_coords(coords)})"
+    where = f"{role + ' ' if role else ''}rank {first} ({format_coords(coords)})"
     tally = f"{len(failed)} of {called} ranks failed"
     if still_running:
         tally += f", {still_running} still running"
@@ -126,3 +133,25 @@ first (ranks in a collective with it fail as a consequence), else the lowest fai
     )
     failure.__cause__ = error
     return failure
+
+
+_ONE_RANK = NamedSharding({"data_parallel": 1})
+
+
+def component_error(component: str, method: str, message: str) -> WorkerError:
+    """A :class:`WorkerError` for a single-process component, its message starting with the component's name.
+
+    ``python -m shell.run`` prints the first line of a failure, so that line
+    names what failed: ``"the rollout engine failed in 'generate': ..."``.
+
+    Args:
+        component: what failed, as a reader names it (``"the rollout engine"``, ``"the store"``).
+        method: the call that failed.
+        message: why.
+
+    Raises:
+        ValueError: ``component`` or ``method`` is empty.
+    """
+    if not component or not method:
+        raise ValueError(f"'component' and 'method' must be non-empty: got {component!r}, {method!r}")
+    return WorkerError(f"{component} failed in '{method}': {message}", rank=0, coords=_ONE_RANK.coords(0), method=method)

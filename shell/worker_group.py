@@ -119,10 +119,12 @@ class WorkerGroup:
             ranks' outcomes before raising (so simultaneous failures are counted).
         max_concurrency: calls an actor runs at once, each in its own thread (1: one at a
             time; more lets a long-running method, such as a collector loop, take other calls).
+        role: what the ranks are, named in errors before the rank (``"policy"``:
+            ``"policy rank 1 (...) died during 'train'"``; ``""``: ``"rank 1 (...)"``).
 
     Raises:
         TypeError: ``worker_cls`` is not a ``Worker`` subclass, ``sharding`` is
-            not a ``NamedSharding``, or an amount is not a number.
+            not a ``NamedSharding``, an amount is not a number, or ``role`` is not a str.
         ValueError: an unknown backend, NCCL without GPUs, or a negative amount.
         RuntimeError: Ray is not initialised.
         WorkerError: an actor failed to start or to join the process group.
@@ -152,6 +154,7 @@ class WorkerGroup:
         pg_timeout_s: float = 600.0,
         failure_grace_s: float = 1.0,
         max_concurrency: int = 1,
+        role: str = "",
     ) -> None:
         cls = _check_worker_cls(worker_cls)
         if not isinstance(sharding, NamedSharding):
@@ -182,8 +185,11 @@ class WorkerGroup:
                 )
         if name_prefix is not None and not (isinstance(name_prefix, str) and name_prefix):
             raise TypeError(f"'name_prefix' must be a non-empty str or None: got {name_prefix!r}")
+        if not isinstance(role, str):
+            raise TypeError(f"'role' must be a str: got {type(role).__name__}")
         if not ray.is_initialized():
             raise RuntimeError("Ray is not initialised: call ray.init(...) before building a WorkerGroup")
+        self._role = role
 
         self._worker_cls = cls
         self._sharding = sharding
@@ -384,13 +390,16 @@ class WorkerGroup:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=left)
             harvest(ready)
         if failures:
-            raise failure_error(self._sharding, method, failures, still_running=len(pending), called=len(refs))
+            raise failure_error(
+                self._sharding, method, failures, still_running=len(pending), called=len(refs), role=self._role
+            )
         if pending:
             running = sorted(rank_of[ref] for ref in pending)
             first = running[0]
             coords = self._sharding.coords(first)
             raise WorkerTimeoutError(
-                f"rank {first} ({format_coords(coords)}) did not finish '{method}' within {wait} s "
+                f"{self._role + ' ' if self._role else ''}rank {first} ({format_coords(coords)}) did not finish "
+                f"'{method}' within {wait} s "
                 f"[{len(running)} of {len(refs)} ranks still running: {running[:8]}"
                 f"{' ...' if len(running) > 8 else ''}]",
                 rank=first,

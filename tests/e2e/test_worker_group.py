@@ -454,7 +454,8 @@ def test_shutdown_twice_is_noop(ray_cluster: None) -> None:
 
 
 def test_worker_group_rejects_non_worker_class() -> None:
-    """WorkerGroup takes a Worker subclass; nccl without GPUs and unknown backends are refused before any actor starts."""
+    """WorkerGroup takes a Worker subclass and a str role; nccl without GPUs and unknown backends are refused before any
+    actor starts."""
     sharding = NamedSharding({"data_parallel": 2})
     with pytest.raises(TypeError, match=r"'worker_cls' must be a subclass of shell.worker.Worker: got dict"):
         WorkerGroup(dict, sharding)  # type: ignore[arg-type]
@@ -462,6 +463,8 @@ def test_worker_group_rejects_non_worker_class() -> None:
         WorkerGroup(ProbeWorker, sharding, backend="nccl")
     with pytest.raises(ValueError, match=r"'backend' must be one of \['gloo', 'nccl', 'auto'\]: got 'mpi'"):
         WorkerGroup(ProbeWorker, sharding, backend="mpi")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"'role' must be a str: got int"):
+        WorkerGroup(ProbeWorker, sharding, role=1)  # type: ignore[arg-type]
 
 
 def test_worker_rank_before_setup_raises() -> None:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import signal
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +48,30 @@ def test_resolve_address_auto_without_a_cluster_names_ray_address(no_cluster: Pa
         ray_cluster.resolve_address("auto")
 
 
-def test_check_address_accepts_a_listening_port_and_rejects_a_closed_one(no_cluster: Path) -> None:
-    """Something listening passes; a refused connection is a ConfigError with the address and a fix."""
+def test_check_address_accepts_a_ray_gcs_and_rejects_a_closed_port(no_cluster: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port where the GCS probe succeeds passes; a refused connection is a ConfigError with the address and a fix."""
+    monkeypatch.setattr(ray_cluster, "_dialed_address", lambda target: target)
+    monkeypatch.setattr(ray_cluster, "_probe_gcs", lambda address: "")
     with _listening() as server:
         port = server.getsockname()[1]
         ray_cluster.check_address(RaySection(address=f"127.0.0.1:{port}", num_cpus=1))
     with pytest.raises(ConfigError, match=rf"config key 'ray.address': no Ray cluster answers at 127.0.0.1:{port}: .*ray start --head --port={port}"):
         ray_cluster.check_address(RaySection(address=f"127.0.0.1:{port}", num_cpus=1))
     ray_cluster.check_address(RaySection(address=None, num_cpus=1))  # embedded: nothing to check
+
+
+def test_check_address_rejects_a_silent_port_within_its_timeout(no_cluster: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port that accepts connections but answers no gRPC (not a Ray GCS) is a ConfigError naming ray.address,
+    raised within the probe timeouts instead of Ray's minutes of retries."""
+    monkeypatch.setattr(ray_cluster, "_dialed_address", lambda target: target)
+    monkeypatch.setattr(ray_cluster, "CONNECT_TIMEOUT_S", 0.5)
+    with _listening() as server:
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"config key 'ray.address': no Ray cluster answers at {address}: "
+                                              r"the port accepts connections, but no Ray GCS answered within 0.5 s"):
+            ray_cluster.check_address(RaySection(address=address, num_cpus=1))
+    assert time.monotonic() - started < 5.0
 
 
 def test_connect_turns_a_failed_join_into_a_config_error(no_cluster: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,6 +85,8 @@ def test_connect_turns_a_failed_join_into_a_config_error(no_cluster: Path, monke
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refuse)
     monkeypatch.setattr(ray_cluster, "_present_token", lambda: None)
+    monkeypatch.setattr(ray_cluster, "_dialed_address", lambda target: target)
+    monkeypatch.setattr(ray_cluster, "_probe_gcs", lambda address: "")
     with _listening() as server:
         address = f"127.0.0.1:{server.getsockname()[1]}"
         with pytest.raises(ConfigError, match=rf"^config key 'ray.address': cannot join the Ray cluster at {address}: "
@@ -83,6 +103,53 @@ def test_connect_embedded_never_joins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
     assert ray_cluster.connect(RaySection(address=None, num_cpus=3), lambda message: None) is True
     assert (calls[0]["address"], calls[0]["num_cpus"]) == ("local", 3)
+
+
+def test_connect_keeps_the_signal_handlers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ray.init replaces SIGTERM's handler (it exits at once); connect puts the caller's SIGINT and SIGTERM handlers back."""
+
+    def mine(signum: int, frame: Any) -> None:
+        pass
+
+    def init(**kwargs: Any) -> None:
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as ray.init does
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    saved = {sig: signal.signal(sig, mine) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        ray_cluster.connect(RaySection(address=None, num_cpus=1), lambda message: None)
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is mine
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def test_connect_hands_a_sigterm_during_ray_init_to_the_callers_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ray.init's own SIGTERM handler ends it with SystemExit(15): connect shuts down what it started and raises what
+    the caller's SIGTERM handler raises instead."""
+
+    class Stop(BaseException):
+        pass
+
+    def mine(signum: int, frame: Any) -> None:
+        raise Stop(signum)
+
+    def init(**kwargs: Any) -> None:
+        raise SystemExit(signal.SIGTERM)  # what ray.init's handler does on SIGTERM
+
+    shutdowns: list[bool] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(True))
+    saved = signal.signal(signal.SIGTERM, mine)
+    try:
+        with pytest.raises(Stop):
+            ray_cluster.connect(RaySection(address=None, num_cpus=1), lambda message: None)
+        assert signal.getsignal(signal.SIGTERM) is mine and shutdowns == [True]
+    finally:
+        signal.signal(signal.SIGTERM, saved)
 
 
 def test_connect_uses_the_ray_this_process_has(monkeypatch: pytest.MonkeyPatch) -> None:
