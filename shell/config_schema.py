@@ -499,7 +499,7 @@ def cluster_cpus(config: RunConfig) -> tuple[float, str]:
     Example:
         >>> from shell.run_config import load_run_config
         >>> cluster_cpus(load_run_config())[1]
-        '1 policy rank x 0.25 + 1 rollout engine x 0.25 + 3 for TransferQueue = 3.5'
+        '1 policy rank x 0.25 + 1 rollout engine x 0.25 + 1 for TransferQueue = 1.5'
     """
     ranks, each = config.policy.layout.world_size, config.policy.num_cpus_per_worker
     backend = config.data_plane.backend if config.data_plane.enabled else None

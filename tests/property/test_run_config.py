@@ -843,9 +843,10 @@ def test_load_run_config_micro_batch_tokens_must_hold_the_longest_row() -> None:
 @pytest.mark.parametrize(
     ("overrides", "arithmetic"),
     [
-        (["ray.num_cpus=1"], "1 policy rank x 0.25 + 1 rollout engine x 0.25 + 3 for TransferQueue = 3.5"),
-        (["policy.num_cpus_per_worker=7"], "1 policy rank x 7 + 1 rollout engine x 7 + 3 for TransferQueue = 17"),
-        (["policy.layout.data_parallel=4", "ray.num_cpus=4"], "4 policy ranks x 0.25 + 1 rollout engine x 0.25 + 3 for TransferQueue = 4.25"),
+        (["ray.num_cpus=1"], "1 policy rank x 0.25 + 1 rollout engine x 0.25 + 1 for TransferQueue = 1.5"),
+        (["ray.num_cpus=1", "data_plane.backend=transfer_queue"], "1 policy rank x 0.25 + 1 rollout engine x 0.25 + 3 for TransferQueue = 3.5"),
+        (["policy.num_cpus_per_worker=7"], "1 policy rank x 7 + 1 rollout engine x 7 + 1 for TransferQueue = 15"),
+        (["policy.layout.data_parallel=4", "ray.num_cpus=1"], "4 policy ranks x 0.25 + 1 rollout engine x 0.25 + 1 for TransferQueue = 2.25"),
     ],
 )
 def test_load_run_config_rejects_actors_that_never_fit_the_embedded_cluster(overrides: list[str], arithmetic: str) -> None:
