@@ -203,10 +203,10 @@ def test_put_failing_in_transfer_queue_clears_the_keys_it_registered(
     store = TransferQueueStore.attach()
     store.put(["old"], partition, TensorDict({"x": torch.tensor([7])}, batch_size=[1]))
 
-    def failing_put(*args: Any, **kwargs: Any) -> None:
+    async def failing_put(*args: Any, **kwargs: Any) -> None:
         raise ConnectionError("storage unit went away")
 
-    monkeypatch.setattr(tq.get_client(), "put", failing_put)
+    monkeypatch.setattr(tq.get_client(), "async_put", failing_put)
     with pytest.raises(ConnectionError, match=r"storage unit went away"):
         store.put(["new1", "old", "new2"], partition, TensorDict({"x": torch.tensor([1, 2, 3])}, batch_size=[3]))
     monkeypatch.undo()
