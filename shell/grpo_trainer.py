@@ -47,6 +47,7 @@ from core.sharding import PackingSpec
 from core.step_plan import TrainResult
 from core.task import Task
 from core.topology import NamedSharding
+from adapters.store_health import HealthCheckedStore, StoreFailure, StorePart
 from adapters.store_port import DataPlaneClient
 from shell.loss import GRPOLoss
 from shell.metering import MeteredClient
@@ -182,6 +183,7 @@ class GRPOTrainer:
         self.timer = PhaseTimer()
         self.run_id = uuid.uuid4().hex[:8]  # prefixes the store keys: runs sharing a partition never collide
         self.key_prefix = self.run_id + "-"
+        self._store_failed = False  # a step failed because a store part died (reported once, by that step)
 
     # ------------------------------------------------------------ life cycle
 
@@ -231,6 +233,7 @@ class GRPOTrainer:
             self.client,
             MeteredFactory(inner_factory, verify),
             partition_id=self.partition,
+            key_prefix=self.key_prefix,
         )
 
     def _open_store(self) -> tuple[DataPlaneClient, Callable[[], DataPlaneClient]]:
@@ -252,22 +255,60 @@ class GRPOTrainer:
         return store, TransferQueueStore.attach
 
     def close(self) -> None:
-        """Clear the open step's keys, stop every actor, close the store and an embedded Ray. Idempotent, best effort."""
+        """Clear the open step's keys, stop every actor, close the store and an embedded Ray. Idempotent, best effort.
+
+        Every action is bounded (worker shutdowns by their timeouts, store calls by the store's deadlines). An
+        interrupt (a second Ctrl-C) during one does not skip the rest: the actors are still stopped and the run's
+        keys still swept (after every writer is gone, so a rollout that finishes its write late is swept too);
+        the interrupt is raised once all is done.
+        """
         errors: list[BaseException] = []
+        interrupt: BaseException | None = None
         for action in (self._abort_step, self._stop_source, self._stop_policy, self._sweep_keys, self._close_store):
             try:
                 action()
+            except StoreFailure as error:  # a dead store part: already reported by the step it failed, if any
+                if not self._store_failed:
+                    errors.append(error)
+                self._store_failed = True
             except Exception as error:  # keep shutting down; report the first problem afterwards
                 errors.append(error)
+            except BaseException as error:  # an interrupt: finish the (bounded) shutdown first
+                interrupt = interrupt or error
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
+        if interrupt is not None:
+            raise interrupt
         if errors:
             raise errors[0]
 
     def _abort_step(self) -> None:
         if self.transport is not None:
             self.transport.abort()
+
+    def _health_checked(self) -> HealthCheckedStore | None:
+        """The run's store, when it can name and probe its processes (both built-in stores can)."""
+        store = self._store if self._store is not None else self._given_client
+        return store if isinstance(store, HealthCheckedStore) else None
+
+    def store_parts(self) -> tuple[StorePart, ...]:
+        """The store's processes (e.g. TransferQueue's controller and storage units, with their pids); () on the
+        legacy path or for a store that cannot name them."""
+        store = self._health_checked()
+        return store.parts() if store is not None else ()
+
+    def store_failure(self) -> StoreFailure | None:
+        """Probe the store's processes: the failure naming the first dead or silent one, or None (all answer, or
+        nothing to probe). Bounded by the store's ``deadlines.probe_timeout_s``."""
+        store = self._health_checked()
+        if store is None:
+            return None
+        try:
+            store.check_health()
+        except StoreFailure as failure:
+            return failure
+        return None
 
     def _stop_source(self) -> None:
         if self.source is not None:
@@ -327,7 +368,9 @@ class GRPOTrainer:
         """Run GRPO step ``step``; return its metrics record.
 
         Raises:
-            StepError: DAPO found too few varying groups (the step's keys are cleared).
+            StepError: DAPO found too few varying groups (the step's keys are cleared); or a process of the store
+                died or stopped answering (the message names it, e.g. "the store failed: TransferQueue storage
+                unit 1 (pid 4242) died"; whatever else failed because of it is chained).
             WorkerError: a worker, the rollout engine, the collector or the buffer failed
                 (the step's keys are cleared).
         """
@@ -337,8 +380,17 @@ class GRPOTrainer:
             with contextlib.suppress(Exception):
                 self._abort_step()
             raise StepError(step, str(error)) from None
-        except BaseException:
-            with contextlib.suppress(Exception):  # the step's own error is the one to report
+        except Exception as error:
+            # A dead store part makes every process that waits on it fail: name the store, not what failed first.
+            failure = error if isinstance(error, StoreFailure) else self.store_failure()
+            with contextlib.suppress(Exception):  # the step's own error is the one to report; bounded (store deadlines)
+                self._abort_step()
+            if failure is not None:
+                self._store_failed = True  # close() then skips what needs the store, silently
+                raise StepError(step, f"the store failed: {failure}") from error
+            raise
+        except BaseException:  # an interrupt: clean up (bounded) and let it through
+            with contextlib.suppress(Exception):
                 self._abort_step()
             raise
 

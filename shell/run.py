@@ -93,6 +93,7 @@ def _write_processes(trainer: Any, path: Path) -> None:
         info["policy"] = {str(rank): pid for rank, pid in enumerate(policy.call(Worker.process_id))}
     if trainer.source is not None:
         info.update(trainer.source.process_ids())
+    info["store"] = {part.role: part.pid for part in trainer.store_parts()}
     path.write_text(json.dumps(info, indent=1) + "\n")
 
 
@@ -170,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         try:
             trainer.close()
+        except (KeyboardInterrupt, _Interrupted):  # another interrupt during the (bounded) shutdown: still 130
+            status = EXIT_INTERRUPTED
         except Exception as error:  # report, but the run's own outcome decides the status
             console.print(f"[yellow]warning:[/] shutdown: {escape(str(error))}", highlight=False)
             status = status or EXIT_FAILED
