@@ -11,7 +11,7 @@ the addition task, and leaves in ``run.dir`` (default ``runs/<timestamp>/``):
 ``reward.png`` and ``checkpoint.pt``. ``--help`` lists every config key.
 
 Exit status: 0 when the run finishes, 1 when a step fails (the message names
-the step and, for a worker, its rank), 2 for a bad command line, config, run
+the step and, for a worker, its rank; for the store, the part that died), 2 for a bad command line, config, run
 folder, checkpoint or cluster address (one line naming the key, before anything
 starts), 130 after Ctrl-C. On every exit the run clears its store keys and
 stops what it started.
