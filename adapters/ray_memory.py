@@ -46,6 +46,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
+from adapters.store_health import DEFAULT_DEADLINES, ActorParts, Deadlines, StoreFailure, StorePart, actor_pids, wait_for
 from adapters.ray_actors import named_actor_exists
 from adapters.rows import column_spec, from_bit_views, read_columns_of, to_bit_views
 from adapters.store_port import Keys, SeqLens, StoreAdapter, Tags, validate_put
@@ -55,12 +56,14 @@ NAMESPACE = "rl-dataplane-memory"
 """The Ray namespace the store actors are named in (any driver of the cluster finds them there)."""
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, concurrency_groups={"health": 1})
 class MemoryStoreActor:
     """A Ray actor holding one :class:`adapters.memory.MemoryStore`; each method forwards to it.
 
     It takes no CPU (``num_cpus=0``), so it schedules on any cluster, and runs
-    one call at a time. Build it through :meth:`RayMemoryStore.start`.
+    one store call at a time; :meth:`ping` has a thread of its own (concurrency
+    group ``health``), so it answers while a store call runs. Build it through
+    :meth:`RayMemoryStore.start`.
     """
 
     def __init__(self) -> None:
@@ -68,6 +71,11 @@ class MemoryStoreActor:
 
     def ready(self) -> bool:
         """True once the actor is constructed (a call that waits for it)."""
+        return True
+
+    @ray.method(concurrency_group="health")
+    def ping(self) -> bool:
+        """True: the health probe, served beside a running store call."""
         return True
 
     def put(
@@ -133,10 +141,16 @@ class RayMemoryStore(StoreAdapter):
     (joins it by name); the constructor only records the handle and ownership.
     Pickling a client gives a non-owning client of the same actor (as :meth:`attach`).
 
+    Every call has a deadline (``deadlines.call_s``) and, while it waits, the actor is probed
+    (:meth:`MemoryStoreActor.ping`): a dead or silent actor fails the call with
+    :class:`adapters.store_health.StoreFailure` naming it (``"Ray memory store actor 'x' (pid 4242) died"``), and
+    every later call fails at once with the same error.
+
     Args:
         name: the actor's name in :data:`NAMESPACE`.
         handle: the actor.
         owns_actor: ``close()`` kills the actor.
+        deadlines: how long a call may take and how often the actor is probed.
 
     Example:
         >>> store = RayMemoryStore.start()  # doctest: +SKIP
@@ -145,10 +159,16 @@ class RayMemoryStore(StoreAdapter):
         >>> store.close()  # kills the actor  # doctest: +SKIP
     """
 
-    def __init__(self, name: str, handle: ActorHandle, *, owns_actor: bool = False) -> None:
+    def __init__(
+        self, name: str, handle: ActorHandle, *, owns_actor: bool = False, deadlines: Deadlines = DEFAULT_DEADLINES
+    ) -> None:
         self._name = _check_name(name)
         self._handle = handle
         self._owns_actor = owns_actor
+        self._deadlines = deadlines
+        (pid,) = actor_pids([handle], deadlines.probe_timeout_s)
+        self._part = StorePart(f"Ray memory store actor {self._name!r}", pid)
+        self._parts = ActorParts("Ray memory store", [(self._part, handle)], probe="ping")
         self._closed = False
         self._lock = threading.Lock()
 
@@ -221,6 +241,23 @@ class RayMemoryStore(StoreAdapter):
         """Whether ``close()`` kills the actor."""
         return self._owns_actor
 
+    @property
+    def deadlines(self) -> Deadlines:
+        """The deadlines of this store's calls."""
+        return self._deadlines
+
+    def parts(self) -> tuple[StorePart, ...]:
+        """The store's one process: its actor."""
+        return self._parts.parts
+
+    def check_health(self) -> None:
+        """Probe the actor.
+
+        Raises:
+            StoreFailure: it is dead or does not answer within ``deadlines.probe_timeout_s`` (naming it).
+        """
+        self._parts.check(self._deadlines.probe_timeout_s)
+
     def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags, require_stored):
         """Check the arguments and every column here, then send them to the actor (see ``StoreAdapter``)."""
         self._check_open()
@@ -232,25 +269,24 @@ class RayMemoryStore(StoreAdapter):
         lengths = receipt.sequence_lengths
         wire, bit_views = to_bit_views(fields.detach())
         return self._call(
-            self._handle.put.remote(
-                receipt.keys, partition_id, wire, bit_views, tags, lengths, reserved_tags, require_stored
-            )
+            "put", self._handle.put, receipt.keys, partition_id, wire, bit_views, tags, lengths, reserved_tags,
+            require_stored,
         )
 
     def _get(
         self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]
     ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
-        wire, bit_views, tags = self._call(self._handle.get_with_tags.remote(keys, partition_id, names, tag_names))
+        wire, bit_views, tags = self._call("get", self._handle.get_with_tags, keys, partition_id, names, tag_names)
         return from_bit_views(wire, bit_views), tags
 
     def _clear(self, keys: tuple[str, ...], partition_id: str) -> None:
-        self._call(self._handle.clear.remote(keys, partition_id))
+        self._call("clear", self._handle.clear, keys, partition_id)
 
     def _list_keys(self, partition_id: str) -> tuple[str, ...]:
-        return self._call(self._handle.list_keys.remote(partition_id))
+        return self._call("list_keys", self._handle.list_keys, partition_id)
 
     def _describe(self, keys: tuple[str, ...], partition_id: str) -> KVBatchMeta:
-        return self._call(self._handle.describe.remote(keys, partition_id))
+        return self._call("describe", self._handle.describe, keys, partition_id)
 
     def close(self) -> None:
         """Mark the client closed; the owner also kills the actor (its data is gone). Idempotent."""
@@ -268,18 +304,30 @@ class RayMemoryStore(StoreAdapter):
                 f"e.g. store = RayMemoryStore.attach({self._name!r}) (if its owner has not closed it)"
             )
 
-    def _call(self, ref: ray.ObjectRef) -> Any:
-        """The result of a remote call; the actor's own exception (type and message kept) if it raised."""
+    def _call(self, op: str, method: Any, *args: Any) -> Any:
+        """The result of ``method.remote(*args)`` within the deadline, the actor probed while it waits; the actor's
+        own exception (type and message kept) if it raised."""
+        self._parts.raise_if_failed()
+        ref = method.remote(*args)
+
+        def poll(timeout: float) -> tuple[bool, Any]:
+            ready, _ = ray.wait([ref], timeout=timeout)
+            return (True, ray.get(ref)) if ready else (False, None)
+
         try:
-            return ray.get(ref)
+            return wait_for(
+                poll, op=op, store="Ray memory store", deadlines=self._deadlines, check=self.check_health,
+                cancel=lambda: ray.cancel(ref),
+            )
         except RayTaskError as e:
             if isinstance(e.cause, Exception):
                 raise e.cause from e
             raise
         except RayActorError as e:
-            raise RuntimeError(
-                f"RayMemoryStore {self._name!r} is gone (its owner closed it, or its process died): {e}"
-            ) from e
+            raise self._parts.fail(StoreFailure(
+                f"RayMemoryStore {self._name!r} is gone (its owner closed it, or its process died): {self._part} died",
+                part=self._part,
+            )) from e
 
 
 def _check_name(name: Any) -> str:

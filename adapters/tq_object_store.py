@@ -286,11 +286,6 @@ class ObjectStoreIndex:
         """``columns`` (live column objects) and ``rows`` (global indexes holding a field)."""
         return {"columns": len(self._columns), "rows": len(self._rows)}
 
-    def process_id(self) -> int:
-        import os
-
-        return os.getpid()
-
     def _release(self, column: str, count: int) -> None:
         entry = self._columns.get(column)
         if entry is None:

@@ -36,10 +36,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from adapters import tq_object_store
 from adapters.ray_actors import named_actor_exists
+from adapters.store_health import ActorParts, StorePart, actor_pids
 from adapters.tq_mooncake import MOONCAKE, attach_lending_no_memory, prepare_mooncake
 
 CONTROLLER_NAME = "TransferQueueController"
 CONTROLLER_NAMESPACE = "transfer_queue"
+STORAGE_UNIT_PREFIX = "TransferQueueStorageUnit#"
+"""SimpleStorage names its storage-unit actors ``TransferQueueStorageUnit#<rank>`` in the namespace of the process
+that started TQ."""
+STORE_NAME = "TransferQueue"
 RAY_NAMESPACE = "rl-dataplane"
 """The Ray namespace of a cluster that :func:`start` starts itself."""
 
@@ -215,6 +220,41 @@ def attach() -> SystemHold:
         attach_lending_no_memory(conf)
     tq.init()
     return SystemHold(kv_backend=mooncake, storage_backend=conf.backend.storage_backend)
+
+
+def parts(timeout_s: float) -> ActorParts:
+    """The running TQ's processes as health-checked parts: the controller, then each SimpleStorage unit by rank,
+    or the ``RayObjectStore`` backend's index actor.
+
+    Storage units are found by name in every namespace (TQ names them in the namespace of the process that
+    started it). Each part's process id is asked once, within ``timeout_s``. On Mooncake there are no unit
+    actors: the controller is the one part (the ``mooncake_master`` is a process of the owner, not a Ray actor).
+
+    Raises:
+        RuntimeError: no TransferQueue controller runs on this Ray cluster.
+    """
+    try:
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        raise RuntimeError(
+            f"no TransferQueue is running on this Ray cluster (no actor {CONTROLLER_NAME!r} in namespace "
+            f"{CONTROLLER_NAMESPACE!r}): start one with TransferQueueStore.start()"
+        ) from None
+    units: list[tuple[int, Any]] = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        rank = name[len(STORAGE_UNIT_PREFIX):]
+        if name.startswith(STORAGE_UNIT_PREFIX) and rank.isdigit():
+            with contextlib.suppress(ValueError):  # gone since the listing
+                units.append((int(rank), ray.get_actor(name, namespace=entry["namespace"])))
+    units.sort(key=lambda unit: unit[0])
+    handles = [controller, *(handle for _, handle in units)]
+    roles = ["TransferQueue controller", *(f"TransferQueue storage unit {rank}" for rank, _ in units)]
+    with contextlib.suppress(ValueError):  # the RayObjectStore backend's index (no such actor on other backends)
+        handles.append(ray.get_actor(tq_object_store.INDEX_NAME, namespace=tq_object_store.INDEX_NAMESPACE))
+        roles.append("TransferQueue object-store index")
+    pids = actor_pids(handles, timeout_s)
+    return ActorParts(STORE_NAME, [(StorePart(role, pid), h) for role, pid, h in zip(roles, pids, handles)])
 
 
 def client() -> tq.TransferQueueClient:

@@ -47,15 +47,18 @@ put may leave keys that already existed partly rewritten.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import transfer_queue as tq
 from tensordict import TensorDict
 
 from adapters import tq_system, tq_wire
+from adapters.store_health import DEFAULT_DEADLINES, ActorParts, Deadlines, StorePart, wait_for
 from adapters.store_port import (
     StoreAdapter,
     pick_tags,
@@ -119,9 +122,16 @@ class TransferQueueStore(StoreAdapter):
     Build one with :meth:`start` (starts and owns TQ) or :meth:`attach` (joins a
     running TQ); the constructor only records the process's hold on TQ.
 
+    Every TQ call has a deadline and is watched (:mod:`adapters.store_health`): while it waits, the
+    controller and the storage units are probed every ``deadlines.probe_every_s``; a dead one fails the call
+    with :class:`adapters.store_health.StoreFailure` naming it (``"TransferQueue storage unit 1 (pid 4242)
+    died"``), and every later call fails at once with the same error.
+
     Args:
         hold: what ``close()`` shuts down, and the storage backend
             (:class:`adapters.tq_system.SystemHold`); owning nothing by default.
+        parts: TQ's processes to probe (:func:`adapters.tq_system.parts`); none by default.
+        deadlines: how long a call may take and how often the parts are probed.
 
     Example:
         >>> store = TransferQueueStore.start()  # doctest: +SKIP
@@ -134,8 +144,12 @@ class TransferQueueStore(StoreAdapter):
     RESERVED_TAGS = tq_wire.RESERVED_TAGS
     """The wire's own tags (``__kvspec__``, ``__kvlen__``): merged by the adapter, hidden from ``describe``."""
 
-    def __init__(self, hold: SystemHold = SystemHold()) -> None:
+    def __init__(
+        self, hold: SystemHold = SystemHold(), *, parts: ActorParts | None = None, deadlines: Deadlines = DEFAULT_DEADLINES
+    ) -> None:
         self._hold = hold
+        self._parts = parts if parts is not None else ActorParts(tq_system.STORE_NAME, ())
+        self._deadlines = deadlines
         self._kv_backend = hold.kv_backend
         self._closed = False
         self._lock = threading.Lock()
@@ -155,7 +169,12 @@ class TransferQueueStore(StoreAdapter):
             ValueError: an unknown storage backend (checked before anything starts).
             RuntimeError: a TransferQueue already runs on this Ray cluster (use :meth:`attach`).
         """
-        return cls(tq_system.start(config))
+        hold = tq_system.start(config)
+        try:
+            return cls(hold, parts=tq_system.parts(DEFAULT_DEADLINES.probe_timeout_s))
+        except BaseException:
+            tq_system.release(hold)
+            raise
 
     @classmethod
     def attach(cls) -> TransferQueueStore:
@@ -167,7 +186,46 @@ class TransferQueueStore(StoreAdapter):
             RuntimeError: Ray is not initialised in this process, or no
                 TransferQueue runs on the cluster.
         """
-        return cls(tq_system.attach())
+        return cls(tq_system.attach(), parts=tq_system.parts(DEFAULT_DEADLINES.probe_timeout_s))
+
+    @property
+    def deadlines(self) -> Deadlines:
+        """The deadlines of this store's calls."""
+        return self._deadlines
+
+    def parts(self) -> tuple[StorePart, ...]:
+        """TQ's processes this store probes: the controller, then the storage units by rank."""
+        return self._parts.parts
+
+    def check_health(self) -> None:
+        """Probe the controller and every storage unit.
+
+        Raises:
+            StoreFailure: one is dead or does not answer within ``deadlines.probe_timeout_s`` (naming it).
+        """
+        self._parts.check(self._deadlines.probe_timeout_s)
+
+    def _call(self, op: str, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any, **kwargs: Any) -> Any:
+        """``function(*args, **kwargs)`` run on TQ's client loop, within the deadline, the parts probed while it waits.
+
+        A part found dead earlier fails the call before anything is sent.
+        """
+        self._parts.raise_if_failed()
+        client = tq_system.client()
+        future = asyncio.run_coroutine_threadsafe(function(*args, **kwargs), client._loop)
+
+        def poll(timeout: float) -> tuple[bool, Any]:
+            concurrent.futures.wait([future], timeout=timeout)
+            return (True, future.result()) if future.done() else (False, None)
+
+        return wait_for(
+            poll,
+            op=op,
+            store=tq_system.STORE_NAME,
+            deadlines=self._deadlines,
+            check=self.check_health,
+            cancel=future.cancel,
+        )
 
     @property
     def storage_backend(self) -> str:
@@ -192,17 +250,20 @@ class TransferQueueStore(StoreAdapter):
         )
         plan = plan_put(receipt, fields, pad_rows=self._kv_backend)
         client = tq_system.client()
-        meta = client.kv_retrieve_meta(keys=list(plan.receipt.keys), partition_id=partition_id, create=not require_stored)
+        meta = self._call(
+            "put", client.async_kv_retrieve_meta,
+            keys=list(plan.receipt.keys), partition_id=partition_id, create=not require_stored,
+        )
         if require_stored:  # the same lookup that finds the keys tells which are missing: no extra round trip
             self._check_found(client, plan.receipt.keys, partition_id, meta)
         fresh = new_keys(plan, meta.custom_meta)
         meta.update_custom_meta(tag_updates(plan, meta.custom_meta))
         try:
-            client._run_coroutine(_write(client, plan.payload, meta))
+            self._call("put", _write, client, plan.payload, meta)
         except BaseException:
             if fresh:
-                with contextlib.suppress(Exception):  # e.g. TQ's event loop is gone too
-                    client._run_coroutine(_drop_registered(client, meta.select_samples(fresh)))
+                with contextlib.suppress(Exception):  # e.g. TQ's event loop is gone too, or a part died
+                    self._call("put", _drop_registered, client, meta.select_samples(fresh))
             raise
         return plan.receipt
 
@@ -211,35 +272,37 @@ class TransferQueueStore(StoreAdapter):
     ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
         """Columns and tags from one meta lookup; the columns decoded to the kinds the puts recorded."""
         client = tq_system.client()
-        meta = client.kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
+        meta = self._call("get", client.async_kv_retrieve_meta, keys=list(keys), partition_id=partition_id, create=False)
         self._check_found(client, keys, partition_id, meta)
         specs = plan_get(keys, partition_id, names, meta.custom_meta)
         tags = pick_tags(meta.custom_meta, tag_names)
         selected = select_wires(meta, specs, partition_id)
-        data = client._run_coroutine(client.storage_manager.get_data(selected))
+        data = self._call("get", client.storage_manager.get_data, selected)
         return decode_columns(specs, data, len(keys), pad_rows=self._kv_backend), tags
 
     def _clear(self, keys: tuple[str, ...], partition_id: str) -> None:
         """One TQ clear of the keys, after checking that all are stored; on Mooncake, one per field set."""
         client = tq_system.client()
-        meta = client.kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
+        meta = self._call("clear", client.async_kv_retrieve_meta, keys=list(keys), partition_id=partition_id, create=False)
         self._check_found(client, keys, partition_id, meta)
         groups = field_set_groups(meta.custom_meta) if self._kv_backend else []
         if len(groups) <= 1:
-            client.clear_samples(meta)
+            self._call("clear", client.async_clear_samples, meta)
             return
         # A key/value backend removes (field, key) pairs of the fields every cleared key holds: one clear per field set.
         for group in groups:
             subset = [keys[i] for i in group]
-            client.clear_samples(client.kv_retrieve_meta(keys=subset, partition_id=partition_id, create=False))
+            found = self._call("clear", client.async_kv_retrieve_meta, keys=subset, partition_id=partition_id, create=False)
+            self._call("clear", client.async_clear_samples, found)
 
     def _list_keys(self, partition_id: str) -> tuple[str, ...]:
-        return tuple(tq_system.client().kv_list(partition_id).get(partition_id, {}))
+        listed = self._call("list_keys", tq_system.client().async_kv_list, partition_id)
+        return tuple(listed.get(partition_id, {}))
 
     def _describe(self, keys: tuple[str, ...], partition_id: str) -> KVBatchMeta:
         """The meta's tags with the reserved ones hidden (see :func:`adapters.tq_wire.describe_meta`)."""
         client = tq_system.client()
-        meta = client.kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
+        meta = self._call("describe", client.async_kv_retrieve_meta, keys=list(keys), partition_id=partition_id, create=False)
         self._check_found(client, keys, partition_id, meta)
         return describe_meta(keys, partition_id, meta.custom_meta)
 
@@ -257,13 +320,14 @@ class TransferQueueStore(StoreAdapter):
                 "TransferQueueStore is closed: attach a new one, e.g. store = TransferQueueStore.attach()"
             )
 
-    @staticmethod
     def _check_found(
-        client: tq.TransferQueueClient, keys: Sequence[str], partition_id: str, meta: tq.BatchMeta
+        self, client: tq.TransferQueueClient, keys: Sequence[str], partition_id: str, meta: tq.BatchMeta
     ) -> None:
         if meta.size != len(keys):
             found = (
-                client.kv_retrieve_keys(global_indexes=meta.global_indexes, partition_id=partition_id)
+                self._call(
+                    "lookup", client.async_kv_retrieve_keys, global_indexes=meta.global_indexes, partition_id=partition_id
+                )
                 if meta.size
                 else []
             )

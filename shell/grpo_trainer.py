@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import ray
@@ -48,6 +48,7 @@ from core.sharding import PackingSpec
 from core.step_plan import TrainResult
 from core.task import Task
 from core.topology import NamedSharding
+from adapters.store_health import HealthCheckedStore, StoreFailure, StorePart
 from adapters.store_port import DataPlaneClient
 from shell.config_error import ConfigError
 from shell.loss import GRPOLoss
@@ -185,6 +186,7 @@ class GRPOTrainer:
         self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-finish")
         self.run_id = uuid.uuid4().hex[:8]  # prefixes the store keys: runs sharing a partition never collide
         self.key_prefix = self.run_id + "-"
+        self._store_failed = False  # a step failed because a store part died (reported once, by that step)
 
     # ------------------------------------------------------------ life cycle
 
@@ -234,6 +236,7 @@ class GRPOTrainer:
             self.client,
             MeteredFactory(inner_factory, verify),
             partition_id=self.partition,
+            key_prefix=self.key_prefix,
         )
 
     def _open_store(self) -> tuple[DataPlaneClient, Callable[[], DataPlaneClient]]:
@@ -264,23 +267,67 @@ class GRPOTrainer:
         return store, TransferQueueStore.attach
 
     def close(self) -> None:
-        """Clear the open step's keys, stop every actor, close the store and an embedded Ray. Idempotent, best effort."""
+        """Clear the open step's keys, stop every actor, close the store and an embedded Ray. Idempotent, best effort.
+
+        Every action is bounded (worker shutdowns by their timeouts, store calls by the store's deadlines). An
+        interrupt (a second Ctrl-C) during one does not skip the rest: the actors are still stopped and the run's
+        keys still swept (after every writer is gone, so a rollout that finishes its write late is swept too);
+        the interrupt is raised once all is done.
+        """
         errors: list[BaseException] = []
+        interrupt: BaseException | None = None
         for action in (self._abort_step, self._stop_source, self._stop_policy, self._sweep_keys, self._close_store):
             try:
                 action()
+            except StoreFailure as error:  # a dead store part: already reported by the step it failed, if any
+                if not self._store_failed:
+                    errors.append(error)
+                self._store_failed = True
             except Exception as error:  # keep shutting down; report the first problem afterwards
                 errors.append(error)
+            except BaseException as error:  # an interrupt: finish the (bounded) shutdown first
+                interrupt = interrupt or error
         self._finisher.shutdown(wait=False)  # a step waits for its own finish: nothing is pending here
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
+        if interrupt is not None:
+            raise interrupt
         if errors:
             raise errors[0]
 
     def _abort_step(self) -> None:
         if self.transport is not None:
             self.transport.abort()
+
+    def _health_checked(self) -> HealthCheckedStore | None:
+        """The run's store, when it can name and probe its processes (both built-in stores can)."""
+        store = self._store if self._store is not None else self._given_client
+        return store if isinstance(store, HealthCheckedStore) else None
+
+    def store_parts(self) -> tuple[StorePart, ...]:
+        """The store's processes (e.g. TransferQueue's controller and storage units, with their pids); () on the
+        legacy path or for a store that cannot name them."""
+        store = self._health_checked()
+        return store.parts() if store is not None else ()
+
+    @property
+    def owns_store(self) -> bool:
+        """Whether this run started its store (closing the run stops it), rather than joining a running one."""
+        store = self._store
+        return bool(getattr(store, "owns_transfer_queue", False) or getattr(store, "owns_actor", False))
+
+    def store_failure(self) -> StoreFailure | None:
+        """Probe the store's processes: the failure naming the first dead or silent one, or None (all answer, or
+        nothing to probe). Bounded by the store's ``deadlines.probe_timeout_s``."""
+        store = self._health_checked()
+        if store is None:
+            return None
+        try:
+            store.check_health()
+        except StoreFailure as failure:
+            return failure
+        return None
 
     def _stop_source(self) -> None:
         if self.source is not None:
@@ -340,7 +387,9 @@ class GRPOTrainer:
         """Run GRPO step ``step``; return its metrics record.
 
         Raises:
-            StepError: DAPO found too few varying groups (the step's keys are cleared).
+            StepError: DAPO found too few varying groups (the step's keys are cleared); or a process of the store
+                died or stopped answering (the message names it, e.g. "the store failed: TransferQueue storage
+                unit 1 (pid 4242) died"; whatever else failed because of it is chained).
             WorkerError: a worker, the rollout engine, the collector or the buffer failed
                 (the step's keys are cleared).
         """
@@ -350,10 +399,25 @@ class GRPOTrainer:
             with contextlib.suppress(Exception):
                 self._abort_step()
             raise StepError(step, str(error)) from None
-        except BaseException:
-            with contextlib.suppress(Exception):  # the step's own error is the one to report
+        except StoreFailure as failure:
+            self._fail_step(step, failure, failure)
+        except Exception as error:
+            # A dead store part makes every process that waits on it fail: name the store, not what failed first.
+            self._fail_step(step, error, self.store_failure())
+        except BaseException:  # an interrupt: clean up (bounded) and let it through
+            with contextlib.suppress(Exception):
                 self._abort_step()
             raise
+
+    def _fail_step(self, step: int, error: Exception, failure: StoreFailure | None) -> NoReturn:
+        """Clear the failed step's keys (bounded by the store's deadlines), then raise: a ``StepError`` naming the
+        store part when ``failure`` says the store failed, else ``error`` itself."""
+        with contextlib.suppress(Exception):  # the step's own error is the one to report
+            self._abort_step()
+        if failure is not None:
+            self._store_failed = True  # close() then skips what needs the store, silently
+            raise StepError(step, f"the store failed: {failure}") from error
+        raise error
 
     def _step(self, step: int) -> dict[str, Any]:
         """One GRPO step, the same script on either transport and either source."""

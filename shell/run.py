@@ -12,14 +12,14 @@ the addition task, and leaves in ``run.dir`` (default ``runs/<timestamp>/``):
 
 Exit status: 0 when the run finishes, 1 when a step fails (the message names
 the step and the component that failed: a policy rank, the rollout engine or
-collector, or the replay buffer; any other component names itself through
-``shell.worker_errors.component_error``), 2 for a bad command line, config,
-run folder, checkpoint or cluster address (one line naming the key, before
-anything starts; an unreachable ``ray.address`` within seconds), 130 after
-SIGINT (Ctrl-C) or SIGTERM. On every exit the run clears its store keys and
-stops what it started; that clean-up is bounded (:mod:`shell.run_stop`): a
-second signal, or :data:`shell.run_stop.CLEANUP_TIMEOUT_S`, kills the run's
-processes instead.
+collector, the replay buffer, or the store part that died; any other
+component names itself through ``shell.worker_errors.component_error``), 2
+for a bad command line, config, run folder, checkpoint or cluster address
+(one line naming the key, before anything starts; an unreachable
+``ray.address`` within seconds), 130 after SIGINT (Ctrl-C) or SIGTERM. On
+every exit the run clears its store keys and stops what it started; that
+clean-up is bounded (:mod:`shell.run_stop`): a second signal, or
+:data:`shell.run_stop.CLEANUP_TIMEOUT_S`, kills the run's processes instead.
 """
 
 from __future__ import annotations
@@ -89,7 +89,10 @@ def _write_processes(trainer: Any, path: Path) -> dict[str, Any]:
         info["policy"] = {str(rank): pid for rank, pid in enumerate(policy.call(Worker.process_id))}
     if trainer.source is not None:
         info.update(trainer.source.process_ids())
+    info["store"] = {part.role: part.pid for part in trainer.store_parts()}
     path.write_text(json.dumps(info, indent=1) + "\n")
+    if not trainer.owns_store:  # a store the run joined is not the run's to kill on a hard stop
+        return {key: value for key, value in info.items() if key != "store"}
     return info
 
 

@@ -67,7 +67,9 @@ class TransportReport:
             legacy path; per-row values written by the driver on the data plane).
         store_ms: time in store calls, summed over the driver, the rollout and every rank.
         store_bytes: payload bytes of those store calls.
-        keys_outstanding: keys left in the step's partition after the step (0 on the legacy path).
+        keys_outstanding: keys of this run (those starting with the transport's ``key_prefix``) left in the
+            step's partition after the step (0 on the legacy path); other runs' keys in a shared partition are not
+            counted.
     """
 
     driver_bytes: int = 0
@@ -234,6 +236,8 @@ class DataPlaneTransport:
         client: the driver's store client (a :class:`shell.metering.MeteredClient` also reports store time).
         client_factory: how each worker opens its own client (picklable).
         partition_id: the store partition of the run's rows.
+        key_prefix: what every key of the run starts with (the run id): ``keys_outstanding`` counts only those,
+            so other runs sharing the partition do not count.
     """
 
     def __init__(
@@ -242,10 +246,12 @@ class DataPlaneTransport:
         client_factory: ClientFactory,
         *,
         partition_id: str,
+        key_prefix: str = "",
     ) -> None:
         self.client = client
         self.client_factory: ClientFactory = client_factory
         self.partition_id: str = partition_id
+        self.key_prefix: str = key_prefix
         self._open: dict[str, None] = {}  # keys written in the open step, in write order
         self._held: list[tuple[dict[str, int], dict[str, torch.Tensor]]] = []  # driver-held writes: (key -> row, columns)
         self._io = {"ms": 0.0, "bytes": 0.0}
@@ -330,7 +336,7 @@ class DataPlaneTransport:
             driver_bytes=moved,
             store_ms=io["ms"],
             store_bytes=int(io["bytes"]),
-            keys_outstanding=len(self.client.list_keys(self.partition_id)),
+            keys_outstanding=sum(k.startswith(self.key_prefix) for k in self.client.list_keys(self.partition_id)),
         )
 
     def abort(self) -> None:

@@ -426,10 +426,12 @@ class WorkerGroup:
                 refs.append(actor.destroy_distributed.remote())
             except RayError:
                 pass  # the actor is already gone
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        self._kill_actors()
-        self._wait_gone(timeout_s)
+        try:
+            if refs:
+                ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        finally:  # an interrupt while waiting (a second Ctrl-C) must not leave the actors running
+            self._kill_actors()
+            self._wait_gone(timeout_s)
 
     def _kill_actors(self) -> None:
         for actor in self._actors:

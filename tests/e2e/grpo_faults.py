@@ -2,11 +2,14 @@
 
 * :class:`RaisingLoss`: a GRPO loss that raises inside the policy workers' train step.
 * :class:`RewardFailsOnCall`: the addition task whose reward raises on its n-th call in the rollout engine.
+* :class:`RewardSlowOnCall`: the addition task whose n-th reward call marks a file, then sleeps (a window in the rollout).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -37,4 +40,23 @@ class RewardFailsOnCall(AdditionTask):
         self.calls[0] += 1
         if self.calls[0] == self.fail_on_call:
             raise RuntimeError(f"{FAULT_MESSAGE}: reward call {self.calls[0]}")
+        return super().rewards(prompts, responses)
+
+
+@attrs.frozen
+class RewardSlowOnCall(AdditionTask):
+    """The addition task, except that ``rewards`` call number ``slow_on_call`` in its process first creates the file
+    ``marker`` (so a test knows the rollout is scoring), then sleeps ``sleep_s`` seconds."""
+
+    marker: str = ""
+    slow_on_call: int = 3
+    sleep_s: float = 5.0
+    calls: list[int] = attrs.field(factory=lambda: [0], eq=False)  # mutable across calls in the rollout engine
+
+    def rewards(self, prompts: Sequence[Prompt], responses: Sequence[Sequence[int]]) -> tuple[float, ...]:
+        self.calls[0] += 1
+        if self.calls[0] == self.slow_on_call:
+            if self.marker:
+                Path(self.marker).touch()
+            time.sleep(self.sleep_s)
         return super().rewards(prompts, responses)

@@ -16,7 +16,8 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shell.config_schema import TRANSFER_QUEUE_CPUS, AsyncSection, RolloutSection, config_key, schema_fields
+from shell.config_schema import TQ_OBJECT_STORE_CPUS,
+    TQ_OBJECT_STORE_CPUS, TRANSFER_QUEUE_CPUS, AsyncSection, RolloutSection, config_key, schema_fields
 from shell.grpo_trainer import model_config
 from shell.run_config import (
     ConfigError,
@@ -147,11 +148,12 @@ def test_load_run_config_has_the_spec_keys(defaults: RunConfig, key: str) -> Non
     assert key in {k for k, _, _ in describe_keys(defaults)}
 
 
-def test_load_run_config_data_plane_defaults_to_transfer_queue(defaults: RunConfig) -> None:
-    """The data plane is on by default, on the TransferQueue backend."""
+def test_load_run_config_data_plane_defaults_to_transfer_queue_on_the_object_store(defaults: RunConfig) -> None:
+    """The data plane is on by default, on TransferQueue with its rows in Ray's object store."""
     assert defaults.data_plane.enabled is True
-    assert defaults.data_plane.backend == StoreBackend.transfer_queue
-    assert defaults.data_plane.backend.value == "transfer_queue"
+    assert defaults.data_plane.backend == StoreBackend.tq_object_store
+    assert defaults.data_plane.backend.tq_storage == "RayObjectStore"
+    assert StoreBackend.transfer_queue.tq_storage == "SimpleStorage" and StoreBackend.memory.tq_storage is None
 
 
 def test_load_run_config_accepts_the_memory_backend() -> None:
@@ -863,12 +865,19 @@ def test_load_run_config_cpu_check_applies_only_to_an_embedded_cluster() -> None
     assert load_run_config(["ray.num_cpus=1", "data_plane.backend=memory", "policy.num_cpus_per_worker=0.5"])
 
 
-@given(st.integers(1, 4), st.sampled_from([0.25, 0.5, 1.0, 2.0]), st.integers(1, 12), st.booleans())
-def test_load_run_config_accepts_exactly_the_layouts_that_fit(dp: int, each: float, cpus: int, plane: bool) -> None:
+@given(
+    st.integers(1, 4), st.sampled_from([0.25, 0.5, 1.0, 2.0]), st.integers(1, 12), st.booleans(),
+    st.sampled_from(["tq_object_store", "transfer_queue"]),
+)
+def test_load_run_config_accepts_exactly_the_layouts_that_fit(
+    dp: int, each: float, cpus: int, plane: bool, backend: str
+) -> None:
     """A config loads iff ``cluster_cpus`` (ranks x each + rollout x each + TransferQueue) <= ray.num_cpus."""
     overrides = [f"policy.layout.data_parallel={dp}", f"policy.num_cpus_per_worker={each}", f"ray.num_cpus={cpus}",
-                 f"data_plane.enabled={str(plane).lower()}", "policy.train_global_batch_size=null"]
-    needed = dp * each + each + (TRANSFER_QUEUE_CPUS if plane else 0)
+                 f"data_plane.enabled={str(plane).lower()}", "policy.train_global_batch_size=null",
+                 f"data_plane.backend={backend}"]
+    store = TRANSFER_QUEUE_CPUS if backend == "transfer_queue" else TQ_OBJECT_STORE_CPUS
+    needed = dp * each + each + (store if plane else 0)
     if needed <= cpus:
         assert cluster_cpus(load_run_config(overrides))[0] == needed
     else:
