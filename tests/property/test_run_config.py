@@ -16,8 +16,9 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shell.config_schema import TQ_OBJECT_STORE_CPUS,
+from shell.config_schema import (
     TQ_OBJECT_STORE_CPUS, TRANSFER_QUEUE_CPUS, AsyncSection, RolloutSection, config_key, schema_fields
+)
 from shell.grpo_trainer import model_config
 from shell.run_config import (
     ConfigError,
