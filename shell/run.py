@@ -93,6 +93,7 @@ def _write_processes(trainer: Any, path: Path) -> None:
         info["policy"] = {str(rank): pid for rank, pid in enumerate(policy.call(Worker.process_id))}
     if trainer.source is not None:
         info.update(trainer.source.process_ids())
+    info["nodes"] = trainer.node_ids()
     path.write_text(json.dumps(info, indent=1) + "\n")
 
 

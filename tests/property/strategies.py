@@ -384,6 +384,9 @@ def field_batches(
 sharding_sizes = st.dictionaries(st.sampled_from(AXES), st.integers(1, 3))
 """Axis sizes for ``NamedSharding``: any subset of ``AXES`` (the rest default to 1), each in 1..3."""
 named_shardings = sharding_sizes.map(NamedSharding)
+node_id_lists = st.lists(st.text(alphabet="0123456789abcdef", min_size=1, max_size=6), max_size=6)
+"""Cluster node ids (hex text, duplicates and the empty cluster included)."""
+actor_counts = st.integers(0, 20)
 
 reward_values = st.one_of(st.sampled_from([0.0, 0.5, 1.0]), st.floats(-10, 10, allow_nan=False, width=32))
 """Rewards: often the 0 / 0.5 / 1 of verifiable tasks (so ties are common), else any moderate float."""

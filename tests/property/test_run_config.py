@@ -16,7 +16,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shell.config_schema import TRANSFER_QUEUE_CPUS, AsyncSection, RolloutSection, config_key, schema_fields
+from shell.config_schema import TRANSFER_QUEUE_CONTROLLER_CPUS, AsyncSection, RolloutSection, config_key, schema_fields
 from shell.grpo_trainer import model_config
 from shell.run_config import (
     ConfigError,
@@ -682,6 +682,38 @@ def test_load_run_config_accepts_ray_addresses(address: str) -> None:
     assert load_run_config([f"ray.address={address}"]).ray.address == address
 
 
+def test_load_run_config_reads_placement_keys() -> None:
+    """ray.placement, ray.worker_resource, data_plane.storage_units and data_plane.storage_resource load as typed."""
+    config = load_run_config([
+        "ray.address=auto", "ray.placement=spread", "ray.worker_resource=trainer",
+        "data_plane.storage_units=3", "data_plane.storage_resource=store",
+    ])
+    assert (config.ray.placement.value, config.ray.worker_resource) == ("spread", "trainer")
+    assert (config.data_plane.storage_units, config.data_plane.storage_resource) == (3, "store")
+    defaults = load_run_config()
+    assert (defaults.ray.placement.value, defaults.ray.worker_resource, defaults.data_plane.storage_resource) == ("pack", None, None)
+
+
+@pytest.mark.parametrize("key", ["ray.worker_resource", "data_plane.storage_resource"])
+def test_load_run_config_rejects_a_node_resource_on_an_embedded_cluster(key: str) -> None:
+    """A custom node resource needs ray.address: an embedded cluster's one node has none, so nothing could be placed."""
+    with _raises_naming(key) as info:
+        load_run_config([f"{key}=store"])
+    assert "must be null for an embedded cluster" in str(info.value)
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("ray.placement=scatter", "ray.placement"),
+    ("ray.worker_resource=CPU", "ray.worker_resource"),
+    ("data_plane.storage_resource=' store'", "data_plane.storage_resource"),
+    ("data_plane.storage_units=0", "data_plane.storage_units"),
+])
+def test_load_run_config_rejects_bad_placement_values(override: str, key: str) -> None:
+    """An unknown placement, a built-in resource name, a padded name or no storage unit names its key."""
+    with _raises_naming(key):
+        load_run_config(["ray.address=auto", override])
+
+
 # ---------------------------------------------------------------- round trip of config.yaml
 
 
@@ -862,12 +894,14 @@ def test_load_run_config_cpu_check_applies_only_to_an_embedded_cluster() -> None
     assert load_run_config(["ray.num_cpus=1", "data_plane.backend=memory", "policy.num_cpus_per_worker=0.5"])
 
 
-@given(st.integers(1, 4), st.sampled_from([0.25, 0.5, 1.0, 2.0]), st.integers(1, 12), st.booleans())
-def test_load_run_config_accepts_exactly_the_layouts_that_fit(dp: int, each: float, cpus: int, plane: bool) -> None:
-    """A config loads iff ``cluster_cpus`` (ranks x each + rollout x each + TransferQueue) <= ray.num_cpus."""
+@given(st.integers(1, 4), st.sampled_from([0.25, 0.5, 1.0, 2.0]), st.integers(1, 12), st.booleans(), st.integers(1, 4))
+def test_load_run_config_accepts_exactly_the_layouts_that_fit(dp: int, each: float, cpus: int, plane: bool, units: int) -> None:
+    """A config loads iff ``cluster_cpus`` (ranks x each + rollout x each + TransferQueue's controller and
+    storage units) <= ray.num_cpus."""
     overrides = [f"policy.layout.data_parallel={dp}", f"policy.num_cpus_per_worker={each}", f"ray.num_cpus={cpus}",
-                 f"data_plane.enabled={str(plane).lower()}", "policy.train_global_batch_size=null"]
-    needed = dp * each + each + (TRANSFER_QUEUE_CPUS if plane else 0)
+                 f"data_plane.enabled={str(plane).lower()}", "policy.train_global_batch_size=null",
+                 f"data_plane.storage_units={units}"]
+    needed = dp * each + each + (TRANSFER_QUEUE_CONTROLLER_CPUS + units if plane else 0)
     if needed <= cpus:
         assert cluster_cpus(load_run_config(overrides))[0] == needed
     else:
@@ -876,7 +910,8 @@ def test_load_run_config_accepts_exactly_the_layouts_that_fit(dp: int, each: flo
 
 
 def test_transfer_queue_cpus_match_its_actors() -> None:
-    """TRANSFER_QUEUE_CPUS is TransferQueue's controller plus its default storage units, at their declared CPUs."""
+    """TransferQueue's controller takes TRANSFER_QUEUE_CONTROLLER_CPUS and each storage unit 1 CPU, as declared;
+    the default data_plane.storage_units is TransferQueue's own default."""
     from transfer_queue.controller import TransferQueueController
     from transfer_queue.storage.simple_storage import SimpleStorageUnit
 
@@ -885,7 +920,8 @@ def test_transfer_queue_cpus_match_its_actors() -> None:
     units = resolve_config().backend.SimpleStorage.num_data_storage_units
     controller = TransferQueueController._default_options["num_cpus"]
     unit = SimpleStorageUnit._default_options["num_cpus"]
-    assert TRANSFER_QUEUE_CPUS == controller + units * unit
+    assert TRANSFER_QUEUE_CONTROLLER_CPUS == controller and unit == 1
+    assert load_run_config().data_plane.storage_units == units
 
 
 def test_run_config_cannot_be_built_invalid_by_evolve(defaults: RunConfig) -> None:
