@@ -54,6 +54,8 @@ def _help_epilog() -> str:
         "  python -m shell.run data_plane.enabled=false           # the legacy path, same results",
         "  python -m shell.run policy.layout.tensor_parallel=2    # TP=2 policy workers",
         "  python -m shell.run ray.address=auto                   # join a running Ray cluster",
+        "  python -m shell.run ray.address=auto ray.placement=spread policy.layout.data_parallel=2"
+        "   # DP ranks on different nodes (docs/scaling.md)",
         "  python -m shell.run --resume runs/20261121-101500 grpo.num_steps=80",
         "  python -m shell.run --config runs/20261121-101500/config.yaml run.dir=runs/again",
     ]

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--nodes", type=int, default=3, help="nodes of the local cluster, the head included (default 3)")
     scale.add_argument("--steps", type=int, default=3, help="GRPO steps per path in the bytes-per-node table (default 3; 0: skip it)")
     scale.add_argument(
-        "--rows", dest="sweep_rows", default="256,1024,4096",
+        "--rows", dest="sweep_rows", metavar="ROWS", default="256,1024,4096",
         help="row counts of the sweep, comma-separated (default 256,1024,4096; 'none': skip it)",
     )
     scale.add_argument("--repeats", type=int, default=3, help="paired repeats per row count, order alternated (default 3)")
