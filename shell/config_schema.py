@@ -425,13 +425,14 @@ class DataPlaneSection:
     partition: str = _key("the store partition of the run's rows (any text)", _non_empty)
     verify_integrity: bool = _key("digest every row at put and check it at get")
     storage_units: int = _key(
-        "TransferQueue storage units (SimpleStorage), placed round-robin over the eligible nodes; "
-        "unused when TransferQueue already runs on the cluster",
+        "TransferQueue storage units (backend transfer_queue only: SimpleStorage), placed round-robin over the "
+        "eligible nodes; unused when TransferQueue already runs on the cluster",
         _at_least(1),
     )
     storage_resource: str | None = _key(
         "a custom node resource: TransferQueue's storage units run only on nodes that have it "
-        "(its backend.SimpleStorage.required_node_resource; null: any node; needs ray.address)",
+        "(backend transfer_queue only; its backend.SimpleStorage.required_node_resource; null: any node; "
+        "needs ray.address)",
         _resource_name,
     )
 
@@ -475,6 +476,12 @@ class RunConfig:
                 f"(num_prompts_per_step * num_generations_per_prompt = {rows}): got {gbs}",
             )
         _check_async(self)
+        if self.data_plane.storage_resource is not None and self.data_plane.backend != StoreBackend.transfer_queue:
+            raise ConfigError(
+                "data_plane.storage_resource",
+                "must be null unless data_plane.backend is transfer_queue (it places SimpleStorage units; "
+                f"{self.data_plane.backend.value} keeps rows elsewhere): got {self.data_plane.storage_resource!r}",
+            )
         if self.ray.address is None and self.data_plane.storage_resource is not None:
             raise ConfigError(
                 "data_plane.storage_resource",

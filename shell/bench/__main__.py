@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         "--max-len", type=int, default=1024,
         help="the sweep's lognormal lengths (median 700) are clipped to 16..MAX_LEN (default 1024; > 700)",
     )
+    scale.add_argument(
+        "--backend", choices=("tq_object_store", "transfer_queue"), default="tq_object_store",
+        help="the data plane's store (default tq_object_store, the run's default; transfer_queue: SimpleStorage units on the worker nodes)",
+    )
     scale.add_argument("--plot", default=None, help="write the sweep's PNG here (the docs' is docs/img/scale_rows.png)")
     scale.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides of the bytes-per-node runs")
     scale.add_argument("--markdown", action="store_true", help="print Markdown tables")
@@ -189,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             scfg = ScaleConfig(
                 nodes=args.nodes, steps=args.steps, repeats=args.repeats, seed=args.seed,
                 rows=() if args.sweep_rows.strip().lower() == "none" else parse_rows(args.sweep_rows),
-                object_store_mb=args.object_store_mb, num_cpus=args.num_cpus, max_len=args.max_len, plot=args.plot,
+                object_store_mb=args.object_store_mb, num_cpus=args.num_cpus, max_len=args.max_len, backend=args.backend, plot=args.plot,
                 overrides=tuple(args.overrides),
             )
         except ValueError as error:

@@ -96,6 +96,7 @@ class ScaleConfig:
     object_store_mb: int = 512
     num_cpus: int = 4
     max_len: int = MAX_LEN
+    backend: str = "tq_object_store"
     plot: str | None = None
     overrides: tuple[str, ...] = ()
 
@@ -107,6 +108,8 @@ class ScaleConfig:
         if self.rows:
             parse_rows(",".join(str(r) for r in self.rows))
         NodesConfig(nodes=self.nodes, num_cpus=self.num_cpus, object_store_mb=self.object_store_mb)
+        if self.backend not in ("tq_object_store", "transfer_queue"):
+            raise ValueError(f"'--backend' must be tq_object_store or transfer_queue: got {self.backend!r}")
         if not self.steps and not self.rows:
             raise ValueError("'--steps' and '--rows' cannot both be empty: nothing to measure")
 
@@ -206,7 +209,8 @@ def _owners(cluster: Any, labels: Mapping[str, str], *, driver: str | None) -> d
 def _spread(cfg: ScaleConfig) -> list[str]:
     if cfg.nodes < 2:
         return []
-    return ["ray.placement=spread", f"ray.worker_resource={NODE_RESOURCE}", f"data_plane.storage_resource={NODE_RESOURCE}"]
+    units = [f"data_plane.storage_resource={NODE_RESOURCE}"] if cfg.backend == "transfer_queue" else []
+    return ["ray.placement=spread", f"ray.worker_resource={NODE_RESOURCE}", *units]
 
 
 # ---------------------------------------------------------------- bytes per node per GRPO step
@@ -251,6 +255,7 @@ def measure_nodes(cfg: ScaleConfig, cluster: Any, report: Report) -> None:
         config = load_run_config([
             "policy.layout.data_parallel=2", "run.progress=off", f"ray.address={cluster.address}",
             f"data_plane.enabled={enabled}", f"data_plane.partition=scale-{uuid.uuid4().hex[:6]}", f"seed={cfg.seed}",
+            f"data_plane.backend={cfg.backend}",
             *_spread(cfg), *cfg.overrides,
         ])
         steps: list[Traffic] = []
@@ -385,7 +390,12 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
 
     resource = NODE_RESOURCE if cfg.nodes > 1 else None
     placement = "spread" if cfg.nodes > 1 else "pack"
-    store = TransferQueueStore.start(transfer_queue_settings(2, resource))
+    from shell.config_schema import StoreBackend
+
+    tq_storage = StoreBackend(cfg.backend).tq_storage
+    store = TransferQueueStore.start(
+        transfer_queue_settings(tq_storage, 2, resource if cfg.backend == "transfer_queue" else None)  # type: ignore[arg-type]
+    )
     tq_system.quiet_logs()
     partition = f"scale-rows-{uuid.uuid4().hex[:6]}"
     loss = GRPOLoss(kl_coef=0.0)

@@ -1,9 +1,10 @@
 """GRPO across Ray nodes: a head and two worker nodes (``ray.cluster_utils.Cluster``), each a real raylet with its
 own object store, hosted by ``python -m shell.bench.nodes`` in a process of its own.
 
-Both paths run as ``python -m shell.run ray.address=<the cluster>`` (side by side, in subprocesses: this
-process keeps the session's own Ray), with the policy ranks and the rollout engine spread over the worker nodes
-(``ray.placement=spread``, ``ray.worker_resource``) and TransferQueue's storage units on the worker nodes too
+The legacy path and the data plane on two TransferQueue backends run as ``python -m shell.run
+ray.address=<the cluster>`` (side by side, in subprocesses: this process keeps the session's own Ray), with the
+policy ranks and the rollout engine spread over the worker nodes (``ray.placement=spread``,
+``ray.worker_resource``); on SimpleStorage the storage units go to the worker nodes too
 (``data_plane.storage_resource``). One cluster serves the whole module.
 """
 
@@ -41,8 +42,14 @@ RUN = [
     "run.progress=off",
     "ray.placement=spread",
     f"ray.worker_resource={NODE_RESOURCE}",
-    f"data_plane.storage_resource={NODE_RESOURCE}",
 ]
+PATHS = {
+    "legacy": ["data_plane.enabled=false"],
+    "data_plane": ["data_plane.backend=transfer_queue", f"data_plane.storage_resource={NODE_RESOURCE}"],
+    "object_store": ["data_plane.backend=tq_object_store"],
+}
+"""The three runs: legacy, TransferQueue's SimpleStorage units on the worker nodes, and TransferQueue on Ray's
+object store (rows in the object store of the node that wrote them)."""
 PARITY_KEYS = ("reward_mean", "entropy", "loss", "kl", "grad_norm")
 START_TIMEOUT_S = 120.0
 RUN_TIMEOUT_S = 300.0
@@ -82,10 +89,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 def runs(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One run of each path on the cluster, started side by side; their status, output, records and processes."""
     started = {}
-    for name, enabled in (("legacy", "false"), ("data_plane", "true")):
+    for name, settings in PATHS.items():
         run_dir = tmp_path_factory.mktemp(f"multinode-{name}")
         command = [sys.executable, "-m", "shell.run", *RUN, f"ray.address={cluster['address']}",
-                   f"run.dir={run_dir}", f"data_plane.enabled={enabled}"]
+                   f"run.dir={run_dir}", *settings]
         process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         started[name] = (process, run_dir)
     out: dict[str, Any] = {}
@@ -107,24 +114,28 @@ def runs(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> d
 
 
 def test_multinode_runs_finish(runs: dict[str, Any]) -> None:
-    """Both paths exit 0 on the 3-node cluster and log one record per step."""
+    """Every run exits 0 on the 3-node cluster and logs one record per step."""
     for name, run in runs.items():
         assert run["status"] == 0, f"{name}: {run['output'][-3000:]}"
         assert [r["step"] for r in run["records"]] == list(range(1, STEPS + 1)), name
 
 
 def test_multinode_paths_agree_bitwise(runs: dict[str, Any]) -> None:
-    """Across nodes, per-step rewards, entropies, losses, KL and grad norms are bitwise equal on both paths."""
-    legacy, plane = runs["legacy"]["records"], runs["data_plane"]["records"]
-    assert len(legacy) == len(plane) == STEPS
-    for a, b in zip(legacy, plane):
-        assert {k: a[k] for k in PARITY_KEYS} == {k: b[k] for k in PARITY_KEYS}, f"step {a['step']}"
-    assert any(r["grad_norm"] > 0 for r in plane), "the runs must actually train"
+    """Across nodes, per-step rewards, entropies, losses, KL and grad norms are bitwise equal on every path."""
+    legacy = runs["legacy"]["records"]
+    assert len(legacy) == STEPS
+    for name in ("data_plane", "object_store"):
+        plane = runs[name]["records"]
+        assert len(plane) == STEPS, name
+        for a, b in zip(legacy, plane):
+            assert {k: a[k] for k in PARITY_KEYS} == {k: b[k] for k in PARITY_KEYS}, f"{name} step {a['step']}"
+    assert any(r["grad_norm"] > 0 for r in legacy), "the runs must actually train"
 
 
 def test_multinode_data_plane_leaves_no_keys(runs: dict[str, Any]) -> None:
-    """After every step of the data-plane run the store holds none of its keys."""
-    assert [r["store_keys_outstanding"] for r in runs["data_plane"]["records"]] == [0] * STEPS
+    """After every step of the data-plane runs the store holds none of their keys."""
+    for name in ("data_plane", "object_store"):
+        assert [r["store_keys_outstanding"] for r in runs[name]["records"]] == [0] * STEPS, name
 
 
 def test_multinode_places_ranks_and_storage_units_on_different_worker_nodes(
@@ -143,12 +154,14 @@ def test_multinode_places_ranks_and_storage_units_on_different_worker_nodes(
     storage = runs["data_plane"]["processes"]["nodes"]["storage"]
     assert len(storage) == 2 and set(storage.values()) == workers, storage
     assert "storage" not in runs["legacy"]["processes"]["nodes"]  # the legacy path starts no store
+    assert runs["object_store"]["processes"]["nodes"].get("storage", {}) == {}  # no storage units there
 
 
 def test_multinode_data_plane_moves_bulk_off_the_driver(runs: dict[str, Any]) -> None:
     """Per step the driver moves at most 10% of the legacy path's bytes across nodes too."""
-    for a, b in zip(runs["legacy"]["records"], runs["data_plane"]["records"]):
-        assert b["driver_bytes"] <= 0.10 * a["driver_bytes"], f"step {a['step']}"
+    for name in ("data_plane", "object_store"):
+        for a, b in zip(runs["legacy"]["records"], runs[name]["records"]):
+            assert b["driver_bytes"] <= 0.10 * a["driver_bytes"], f"{name} step {a['step']}"
 
 
 # ---------------------------------------------------------------- losing a whole node (runs last: it kills one)
@@ -168,7 +181,8 @@ def test_multinode_losing_a_storage_node_fails_the_run_naming_the_store(
     command = [
         sys.executable, "-m", "shell.run", f"ray.address={cluster['address']}", "grpo.num_steps=500",
         "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.micro_batch_tokens=64",
-        "policy.train_global_batch_size=8", "run.progress=plain", f"data_plane.storage_resource={NODE_RESOURCE}",
+        "policy.train_global_batch_size=8", "run.progress=plain", "data_plane.backend=transfer_queue",
+        f"data_plane.storage_resource={NODE_RESOURCE}",
         f"run.dir={tmp_path}",
     ]
     process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
