@@ -87,12 +87,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 
 @pytest.fixture(scope="module")
 def runs(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One run of each path on the cluster, started side by side; their status, output, records and processes."""
+    """One run of each path on the cluster; their status, output, records and processes.
+
+    A cluster runs one TransferQueue at a time (its controller is a named actor), and a run that finds one
+    running joins it, so the two data-plane runs go one after the other; the legacy run goes beside the first.
+    """
+    out: dict[str, Any] = {}
+    for wave in (("legacy", "data_plane"), ("object_store",)):
+        out.update(_run_side_by_side(cluster, tmp_path_factory, wave))
+    return out
+
+
+def _run_side_by_side(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory, names: tuple[str, ...]) -> dict[str, Any]:
     started = {}
-    for name, settings in PATHS.items():
+    for name in names:
         run_dir = tmp_path_factory.mktemp(f"multinode-{name}")
         command = [sys.executable, "-m", "shell.run", *RUN, f"ray.address={cluster['address']}",
-                   f"run.dir={run_dir}", *settings]
+                   f"run.dir={run_dir}", *PATHS[name]]
         process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         started[name] = (process, run_dir)
     out: dict[str, Any] = {}
