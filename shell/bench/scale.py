@@ -216,12 +216,12 @@ def _spread(cfg: ScaleConfig) -> list[str]:
 # ---------------------------------------------------------------- bytes per node per GRPO step
 
 
-def _roles(nodes: Mapping[str, Any], controller: str | None) -> dict[str, list[str]]:
-    """node id -> what runs there (from ``GRPOTrainer.node_ids``)."""
+def _roles(nodes: Mapping[str, Any], store: Mapping[str, str]) -> dict[str, list[str]]:
+    """node id -> what runs there (from ``GRPOTrainer.node_ids``, and the store's actors: role -> node id)."""
     out: dict[str, list[str]] = {}
     out.setdefault(nodes["driver"], []).append("driver")
-    if controller is not None:
-        out.setdefault(controller, []).append("controller")
+    for role, node in store.items():
+        out.setdefault(node, []).append(role)
     for rank, node in nodes.get("policy", {}).items():
         out.setdefault(node, []).append(f"rank {rank}")
     for role in ("rollout", "collector"):
@@ -232,14 +232,19 @@ def _roles(nodes: Mapping[str, Any], controller: str | None) -> dict[str, list[s
     return out
 
 
-def _controller_node() -> str | None:
+def _store_nodes() -> dict[str, str]:
+    """Where TransferQueue's controller and (on the object store) its index actor run: role -> node id."""
+    from adapters.tq_object_store import INDEX_NAME, INDEX_NAMESPACE
     from adapters.tq_system import CONTROLLER_NAME, CONTROLLER_NAMESPACE
     from shell.node_placement import node_of
 
-    try:
-        return node_of(ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE))
-    except ValueError:
-        return None
+    out = {}
+    for role, name, namespace in (("controller", CONTROLLER_NAME, CONTROLLER_NAMESPACE), ("index", INDEX_NAME, INDEX_NAMESPACE)):
+        try:
+            out[role] = node_of(ray.get_actor(name, namespace=namespace))
+        except ValueError:  # not running (the legacy path, or SimpleStorage's index-free backend)
+            pass
+    return out
 
 
 def measure_nodes(cfg: ScaleConfig, cluster: Any, report: Report) -> None:
@@ -264,7 +269,7 @@ def measure_nodes(cfg: ScaleConfig, cluster: Any, report: Report) -> None:
         with GRPOTrainer(config) as trainer:
             trainer.step(1)  # warm-up
             report.advance()
-            roles[path] = _roles(trainer.node_ids(), _controller_node() if enabled == "true" else None)
+            roles[path] = _roles(trainer.node_ids(), _store_nodes() if enabled == "true" else {})
             nodes, alone = _owners(cluster, labels, driver=None), _owners(cluster, labels, driver="driver")
             for step in range(2, cfg.steps + 2):
                 before = snapshot()
@@ -498,11 +503,18 @@ def plot_sweep(results: Sequence[Mapping[str, Any]], path: str | Path, *, title:
     ):
         for index, name in enumerate(("legacy", "data plane")):
             mine = [r for r in results if r["path"] == name]
-            axes.plot([r["rows"] for r in mine], [max(r[key], 1) if log else r[key] for r in mine], "o-",
-                      color=f"C{index}", label=name)
+            xs = [r["rows"] for r in mine]
+            axes.plot(xs, [max(r[key], 1) if log else r[key] for r in mine], "o-", color=f"C{index}",
+                      label=f"{name} (transport)" if log else name)
+            if log:
+                axes.plot(xs, [max(r["driver_node_bytes"], 1) for r in mine], "s--", color=f"C{index}",
+                          label=f"{name} (driver's node, TCP)")
         axes.set_xscale("log", base=2)
         if log:
             axes.set_yscale("log")
+            axes.legend(fontsize="small")
+        else:
+            axes.set_ylim(bottom=0)
         axes.set_xlabel("rows N (median 700 tokens)")
         axes.set_ylabel(label)
         axes.grid(True, alpha=0.3)
