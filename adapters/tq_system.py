@@ -275,6 +275,17 @@ def client() -> tq.TransferQueueClient:
     return found
 
 
+def storage_units() -> dict[str, Any]:
+    """The Ray actor handles of the SimpleStorage units this process started, by name (``{}`` elsewhere).
+
+    Only the process that started TransferQueue (:func:`start`) holds them; an
+    attached process, or another backend, gets an empty mapping.
+    """
+    started = getattr(getattr(tq, "interface", None), "_TQ_STORAGE", None) or {}
+    units = started.get("SimpleStorage") or {}
+    return dict(units) if isinstance(units, Mapping) else {}
+
+
 def release(hold: SystemHold) -> None:
     """Shut down what ``hold`` owns: TQ and its backend processes, then Ray (even if TQ's shutdown fails)."""
     try:

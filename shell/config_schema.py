@@ -37,8 +37,8 @@ from shell.config_error import ConfigError
 from shell.run_task import TaskShape, built_in_names, load_task, probe_task
 
 
-TRANSFER_QUEUE_CPUS = 3.0
-"""Logical CPUs of TransferQueue's actors (SimpleStorage defaults): the controller and 2 storage units, 1 each."""
+TRANSFER_QUEUE_CONTROLLER_CPUS = 1.0
+"""Logical CPUs of TransferQueue's controller actor (SimpleStorage: each storage unit takes 1 more, ``data_plane.storage_units``)."""
 TQ_OBJECT_STORE_CPUS = 1.0
 """Logical CPUs of TransferQueue on the Ray object store: the controller (the backend's index actor takes none)."""
 ROLLOUT_ENGINES = 1
@@ -56,6 +56,13 @@ class StoreBackend(str, enum.Enum):
     def tq_storage(self) -> str | None:
         """TransferQueue's ``backend.storage_backend`` for this store, or None for a store that is not TransferQueue."""
         return {"tq_object_store": "RayObjectStore", "transfer_queue": "SimpleStorage"}.get(self.value)
+
+
+class NodePlacement(str, enum.Enum):
+    """Where the policy ranks and the rollout engine go on a cluster of several nodes (:mod:`shell.node_placement`)."""
+
+    pack = "pack"
+    spread = "spread"
 
 
 class FetchPolicyName(str, enum.Enum):
@@ -121,6 +128,12 @@ def _finite(v: Any) -> str | None:
 
 def _non_empty(v: str | None) -> str | None:
     return None if v is None or v else "must be a non-empty string"
+
+
+def _resource_name(v: str | None) -> str | None:
+    if v is None or (v.strip() == v and v and v not in ("CPU", "GPU", "memory", "object_store_memory")):
+        return None
+    return "must name a custom Ray node resource (not CPU, GPU, memory or object_store_memory; no surrounding spaces), or be null"
 
 
 _ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
@@ -209,7 +222,26 @@ class RaySection:
 
     PATH: ClassVar[str] = "ray."
     address: str | None = _key("join a running cluster: 'auto' or host:port; null: start an embedded one", _ray_address)
-    num_cpus: int = _key("logical CPUs of an embedded cluster (TransferQueue's actors need 3)", _at_least(1))
+    num_cpus: int = _key(
+        "logical CPUs of an embedded cluster (TransferQueue's actors need 1 + data_plane.storage_units)", _at_least(1)
+    )
+    placement: NodePlacement = _key(
+        "pack | spread: where policy ranks and the rollout engine go; pack: Ray's default (the driver's node first); "
+        "spread: round-robin over the eligible nodes, one rank per node before any node gets two (docs/scaling.md)"
+    )
+    worker_resource: str | None = _key(
+        "a custom node resource (ray start --resources): policy ranks and the rollout engine run only on nodes "
+        "that have it (null: any node; needs ray.address)",
+        _resource_name,
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.address is None and self.worker_resource is not None:
+            raise ConfigError(
+                "ray.worker_resource",
+                "must be null for an embedded cluster (ray.address: null starts one node with no custom resources, "
+                f"so no actor could be scheduled); join a cluster whose nodes have it: got {self.worker_resource!r}",
+            )
 
 
 @attrs.frozen
@@ -392,6 +424,17 @@ class DataPlaneSection:
     )
     partition: str = _key("the store partition of the run's rows (any text)", _non_empty)
     verify_integrity: bool = _key("digest every row at put and check it at get")
+    storage_units: int = _key(
+        "TransferQueue storage units (backend transfer_queue only: SimpleStorage), placed round-robin over the "
+        "eligible nodes; unused when TransferQueue already runs on the cluster",
+        _at_least(1),
+    )
+    storage_resource: str | None = _key(
+        "a custom node resource: TransferQueue's storage units run only on nodes that have it "
+        "(backend transfer_queue only; its backend.SimpleStorage.required_node_resource; null: any node; "
+        "needs ray.address)",
+        _resource_name,
+    )
 
 
 @attrs.frozen
@@ -433,6 +476,19 @@ class RunConfig:
                 f"(num_prompts_per_step * num_generations_per_prompt = {rows}): got {gbs}",
             )
         _check_async(self)
+        if self.data_plane.storage_resource is not None and self.data_plane.backend != StoreBackend.transfer_queue:
+            raise ConfigError(
+                "data_plane.storage_resource",
+                "must be null unless data_plane.backend is transfer_queue (it places SimpleStorage units; "
+                f"{self.data_plane.backend.value} keeps rows elsewhere): got {self.data_plane.storage_resource!r}",
+            )
+        if self.ray.address is None and self.data_plane.storage_resource is not None:
+            raise ConfigError(
+                "data_plane.storage_resource",
+                "must be null for an embedded cluster (ray.address: null starts one node with no custom resources, "
+                f"so no storage unit could be placed); join a cluster whose nodes have it: got "
+                f"{self.data_plane.storage_resource!r}",
+            )
         shape = probe_task(self.task.instance, self.task.build(), seed=self.seed, name=self.task.name)
         _check_rows_fit(self, shape)
         if self.ray.address is None:
@@ -490,7 +546,8 @@ def cluster_cpus(config: RunConfig) -> tuple[float, str]:
     """The logical CPUs the run's actors take, and the sum that gives them (for messages).
 
     Policy ranks and the rollout engine take ``policy.num_cpus_per_worker``
-    each; TransferQueue's controller and storage units take one each; the
+    each; TransferQueue's controller and its ``data_plane.storage_units``
+    storage units take one each; the
     memory store's actor and the legacy path take none. With
     ``grpo.async.enabled`` the rollout collector takes the rollout engine's
     place (at the same CPUs) and the replay buffer's actor takes none: the sum
@@ -503,7 +560,8 @@ def cluster_cpus(config: RunConfig) -> tuple[float, str]:
     """
     ranks, each = config.policy.layout.world_size, config.policy.num_cpus_per_worker
     backend = config.data_plane.backend if config.data_plane.enabled else None
-    store = {StoreBackend.transfer_queue: TRANSFER_QUEUE_CPUS, StoreBackend.tq_object_store: TQ_OBJECT_STORE_CPUS}.get(
+    simple = TRANSFER_QUEUE_CONTROLLER_CPUS + config.data_plane.storage_units
+    store = {StoreBackend.transfer_queue: simple, StoreBackend.tq_object_store: TQ_OBJECT_STORE_CPUS}.get(
         backend, 0.0  # type: ignore[arg-type]
     )
     parts = [ranks * each, ROLLOUT_ENGINES * each] + ([store] if store else [])

@@ -53,6 +53,7 @@ from adapters.store_port import DataPlaneClient
 from shell.config_error import ConfigError
 from shell.loss import GRPOLoss
 from shell.metering import MeteredClient
+from shell.node_placement import transfer_queue_settings
 from shell.phases import PhaseTimer
 from shell.policy import Policy, PolicyConfig
 from shell.rollout import RolloutConfig
@@ -107,6 +108,8 @@ def policy_config(config: RunConfig, model: TinyGPTConfig) -> PolicyConfig:
         train_global_batch_size=p.train_global_batch_size,
         num_cpus_per_worker=p.num_cpus_per_worker,
         timeout_s=p.timeout_s,
+        placement=config.ray.placement.value,
+        worker_resource=config.ray.worker_resource,
     )
 
 
@@ -262,7 +265,8 @@ class GRPOTrainer:
                     f"to match it, or stop that TransferQueue",
                 )
         else:
-            store = TransferQueueStore.start({"backend": {"storage_backend": wanted}})
+            d = self.config.data_plane
+            store = TransferQueueStore.start(transfer_queue_settings(wanted, d.storage_units, d.storage_resource))
         self._store = store
         return store, TransferQueueStore.attach
 
@@ -350,6 +354,22 @@ class GRPOTrainer:
         if self._store is not None:
             store, self._store = self._store, None
             store.close()
+
+    def node_ids(self) -> dict[str, Any]:
+        """Where the run's processes are: the Ray node id of the driver, of each policy rank (by rank), of the
+        source's actors (by role) and of each TransferQueue storage unit this trainer started (by name)."""
+        from adapters import tq_system
+        from shell.node_placement import driver_node, node_of
+        from shell.worker import Worker
+
+        out: dict[str, Any] = {"driver": driver_node()}
+        if self.policy is not None:
+            out["policy"] = {str(r): node for r, node in enumerate(self.policy.group.call(Worker.node_id))}
+        if self.source is not None:
+            out.update(self.source.node_ids())
+        if self._store is not None:
+            out["storage"] = {name: node_of(unit) for name, unit in tq_system.storage_units().items()}
+        return out
 
     # ------------------------------------------------------------ weights
 

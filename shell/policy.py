@@ -32,6 +32,8 @@ from shell.model_worker import ClientFactory
 from shell.policy_worker import FetchPolicy, PolicyWorker, PolicyWorkerConfig
 from shell.step_rows import StepRows
 from shell.transport import Transport
+from shell.config_schema import NodePlacement
+from shell.node_placement import rank_options
 from shell.worker_group import WorkerGroup
 
 
@@ -57,6 +59,9 @@ class PolicyConfig:
         router_replay: replay each row's recorded MoE routing (field ``routed_experts``) in log-probs and training.
         num_cpus_per_worker: Ray CPUs per rank.
         timeout_s: how long a call may take.
+        placement: ``"pack"`` (Ray's default) or ``"spread"`` (rank ``i`` on eligible node ``i mod n``),
+            see :mod:`shell.node_placement`.
+        worker_resource: a custom node resource every rank needs (None: any node).
 
     Raises:
         TypeError: a field has the wrong type.
@@ -75,6 +80,8 @@ class PolicyConfig:
     router_replay: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     num_cpus_per_worker: float = 0.25
     timeout_s: float = 600.0
+    placement: str = attrs.field(default="pack", validator=attrs.validators.in_(("pack", "spread")))
+    worker_resource: str | None = attrs.field(default=None, validator=_optional(str))
     layout: StepLayout = attrs.field(init=False)
 
     @layout.default
@@ -121,6 +128,7 @@ def build_group(
         timeout_s=config.timeout_s,
         pg_timeout_s=config.timeout_s,
         role="policy",
+        rank_options=rank_options(NodePlacement(config.placement), config.worker_resource, config.sharding.world_size),
     )
     try:
         group.call(PolicyWorker.setup)

@@ -58,6 +58,8 @@ def _help_epilog() -> str:
         "  python -m shell.run data_plane.enabled=false           # the legacy path, same results",
         "  python -m shell.run policy.layout.tensor_parallel=2    # TP=2 policy workers",
         "  python -m shell.run ray.address=auto                   # join a running Ray cluster",
+        "  python -m shell.run ray.address=auto ray.placement=spread policy.layout.data_parallel=2"
+        "   # DP ranks on different nodes (docs/scaling.md)",
         "  python -m shell.run --resume runs/20261121-101500 grpo.num_steps=80",
         "  python -m shell.run --config runs/20261121-101500/config.yaml run.dir=runs/again",
     ]
@@ -90,6 +92,7 @@ def _write_processes(trainer: Any, path: Path) -> dict[str, Any]:
     if trainer.source is not None:
         info.update(trainer.source.process_ids())
     info["store"] = {part.role: part.pid for part in trainer.store_parts()}
+    info["nodes"] = trainer.node_ids()
     path.write_text(json.dumps(info, indent=1) + "\n")
     if not trainer.owns_store:  # a store the run joined is not the run's to kill on a hard stop
         return {key: value for key, value in info.items() if key != "store"}

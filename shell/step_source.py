@@ -40,6 +40,7 @@ from core.rollout_carry import RolloutCarry, dapo_selection, group_count
 from core.task import Task
 from core.topology import NamedSharding
 from shell.collector import CollectorPlan, RolloutCollector
+from shell.node_placement import rank_options
 from shell.phases import PhaseTimer
 from shell.policy import Policy
 from shell.replay_buffer import ReplayBufferClient
@@ -106,6 +107,10 @@ class StepSource(Protocol):
         """The OS pids of the source's actors, by role."""
         ...
 
+    def node_ids(self) -> dict[str, str]:
+        """The Ray node ids of the source's actors, by role (where ``ray.placement`` put them)."""
+        ...
+
     def close(self) -> None:
         """Stop the source's actors, releasing every key they hold. Idempotent, best effort."""
         ...
@@ -132,6 +137,7 @@ def _rollout_group(config: RunConfig, worker: type[RolloutWorker], rollout_confi
         timeout_s=config.policy.timeout_s,
         name_prefix=f"{name}-{os.getpid()}",
         max_concurrency=max_concurrency,
+        rank_options=rank_options(config.ray.placement, config.ray.worker_resource, 1),
     )
     try:
         group.call(worker.setup)
@@ -201,6 +207,11 @@ class RolloutSource:
         except WorkerError:
             return True
         return False
+
+    def node_ids(self) -> dict[str, str]:
+        from shell.worker import Worker
+
+        return {"rollout": self.group.call(Worker.node_id)[0]}
 
     def close(self) -> None:
         self.group.shutdown()
@@ -348,6 +359,11 @@ class CollectorSource:
         from shell.worker import Worker
 
         return {"collector": self._call_collector(Worker.process_id)}
+
+    def node_ids(self) -> dict[str, str]:
+        from shell.worker import Worker
+
+        return {"collector": self._call_collector(Worker.node_id)}
 
     def _start(self, step: int) -> None:
         g = self.config.grpo

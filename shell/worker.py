@@ -175,6 +175,11 @@ class Worker:
         """This worker's OS process id (for operators: e.g. to find or signal a rank's process)."""
         return os.getpid()
 
+    @on_all_ranks
+    def node_id(self) -> str:
+        """The id (hex) of the Ray node this worker runs on (where ``ray.placement`` put it)."""
+        return ray.get_runtime_context().get_node_id()
+
     def destroy_distributed(self) -> None:
         """Leave the process group (and its replica groups); a no-op when not joined."""
         if dist.is_initialized():

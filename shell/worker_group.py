@@ -86,6 +86,30 @@ def _check_timeout(name: str, value: Any) -> float | None:
     return amount
 
 
+_OWN_OPTIONS = ("name", "num_cpus", "num_gpus", "max_restarts", "max_concurrency", "runtime_env")
+
+
+def _check_rank_options(rank_options: Any, world_size: int) -> list[dict[str, Any]]:
+    """One dict of extra actor options per rank (empty dicts for None)."""
+    if rank_options is None:
+        return [{} for _ in range(world_size)]
+    if isinstance(rank_options, (str, bytes)) or not isinstance(rank_options, Sequence):
+        raise TypeError(f"'rank_options' must be a sequence of mappings, one per rank: got {type(rank_options).__name__}")
+    if len(rank_options) != world_size:
+        raise ValueError(f"'rank_options' must have {world_size} entries (one per rank): got {len(rank_options)}")
+    out = []
+    for r, entry in enumerate(rank_options):
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"'rank_options' entries must be mappings: got {type(entry).__name__} at rank {r}")
+        taken = sorted(set(entry) & set(_OWN_OPTIONS))
+        if taken:
+            raise ValueError(
+                f"'rank_options' must not set {taken} (the group's own arguments set them): got them at rank {r}"
+            )
+        out.append(dict(entry))
+    return out
+
+
 def _resolve_backend(backend: Any, num_gpus_per_worker: float) -> ResolvedBackend:
     if backend not in _BACKENDS:
         raise ValueError(f"'backend' must be one of {list(_BACKENDS)}: got {backend!r}")
@@ -121,6 +145,9 @@ class WorkerGroup:
             time; more lets a long-running method, such as a collector loop, take other calls).
         role: what the ranks are, named in errors before the rank (``"policy"``:
             ``"policy rank 1 (...) died during 'train'"``; ``""``: ``"rank 1 (...)"``).
+        rank_options: extra Ray actor options of each rank, one mapping per rank (e.g. a
+            ``scheduling_strategy`` or custom ``resources``; see :mod:`shell.node_placement`);
+            None: Ray's default placement.
 
     Raises:
         TypeError: ``worker_cls`` is not a ``Worker`` subclass, ``sharding`` is
@@ -155,6 +182,7 @@ class WorkerGroup:
         failure_grace_s: float = 1.0,
         max_concurrency: int = 1,
         role: str = "",
+        rank_options: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         cls = _check_worker_cls(worker_cls)
         if not isinstance(sharding, NamedSharding):
@@ -183,6 +211,7 @@ class WorkerGroup:
                 raise TypeError(
                     f"'env' must map str -> str: got {type(key).__name__} -> {type(value).__name__} for {key!r}"
                 )
+        per_rank = _check_rank_options(rank_options, sharding.world_size)
         if name_prefix is not None and not (isinstance(name_prefix, str) and name_prefix):
             raise TypeError(f"'name_prefix' must be a non-empty str or None: got {name_prefix!r}")
         if not isinstance(role, str):
@@ -205,7 +234,7 @@ class WorkerGroup:
         self._actors: tuple[ActorHandle, ...] = ()
         try:
             for r in range(sharding.world_size):
-                named = actor_cls.options(name=f"{self._name_prefix}-rank{r}", **options)
+                named = actor_cls.options(name=f"{self._name_prefix}-rank{r}", **{**options, **per_rank[r]})
                 started.append(named.remote(*init_args, **dict(init_kwargs or {})))
             self._actors = tuple(started)
             (address,) = self._gather(

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m shell.bench {balance,dataplane,policy,grpo,reward,revisions,async,r3} [options] [--markdown]``."""
+"""Entry point: ``python -m shell.bench {balance,dataplane,policy,grpo,reward,revisions,async,r3,scale} [options] [--markdown]``."""
 
 from __future__ import annotations
 
@@ -83,6 +83,30 @@ def main(argv: list[str] | None = None) -> int:
     r3.add_argument("--plot", default=None, help="the PNG (default RUNS_DIR/r3_reward.png; the docs' is docs/img/r3_reward.png)")
     r3.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides (default: 8 experts, top-2, bf16 rollout, memory store)")
     r3.set_defaults(markdown=True)
+    scale = sub.add_parser(
+        "scale", help="both paths across Ray nodes (bytes per node per step) and over growing batches (row sweep, DP=2)"
+    )
+    scale.add_argument("--nodes", type=int, default=3, help="nodes of the local cluster, the head included (default 3)")
+    scale.add_argument("--steps", type=int, default=3, help="GRPO steps per path in the bytes-per-node table (default 3; 0: skip it)")
+    scale.add_argument(
+        "--rows", dest="sweep_rows", metavar="ROWS", default="256,1024,4096",
+        help="row counts of the sweep, comma-separated (default 256,1024,4096; 'none': skip it)",
+    )
+    scale.add_argument("--repeats", type=int, default=3, help="paired repeats per row count, order alternated (default 3)")
+    scale.add_argument("--seed", type=int, default=0, help="seed of the run and of the sweep's rows (default 0)")
+    scale.add_argument("--object-store-mb", type=int, default=512, help="object store per node, MiB (default 512)")
+    scale.add_argument("--num-cpus", type=int, default=4, help="logical CPUs per node (default 4)")
+    scale.add_argument(
+        "--max-len", type=int, default=1024,
+        help="the sweep's lognormal lengths (median 700) are clipped to 16..MAX_LEN (default 1024; > 700)",
+    )
+    scale.add_argument(
+        "--backend", choices=("tq_object_store", "transfer_queue"), default="tq_object_store",
+        help="the data plane's store (default tq_object_store, the run's default; transfer_queue: SimpleStorage units on the worker nodes)",
+    )
+    scale.add_argument("--plot", default=None, help="write the sweep's PNG here (the docs' is docs/img/scale_rows.png)")
+    scale.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides of the bytes-per-node runs")
+    scale.add_argument("--markdown", action="store_true", help="print Markdown tables")
     args = parser.parse_args(argv)
     if getattr(args, "seeds", 1) < 1:
         parser.error(f"--seeds must be >= 1: got {args.seeds}")
@@ -161,6 +185,20 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             parser.error(str(error))
         run_r3(rcfg, report)
+    elif args.name == "scale":
+        from shell.bench.scale import ScaleConfig, parse_rows
+        from shell.bench.scale import run as run_scale
+
+        try:
+            scfg = ScaleConfig(
+                nodes=args.nodes, steps=args.steps, repeats=args.repeats, seed=args.seed,
+                rows=() if args.sweep_rows.strip().lower() == "none" else parse_rows(args.sweep_rows),
+                object_store_mb=args.object_store_mb, num_cpus=args.num_cpus, max_len=args.max_len, backend=args.backend, plot=args.plot,
+                overrides=tuple(args.overrides),
+            )
+        except ValueError as error:
+            parser.error(str(error))
+        run_scale(scfg, report)
     elif args.name == "revisions":
         from shell.bench.revisions import RevisionsConfig
         from shell.bench.revisions import run as run_revisions

@@ -97,9 +97,9 @@ def test_run_joins_a_ray_start_cluster_by_address(ray_head: tuple[str, str], tmp
 
 _CONNECT = """
 import ray
-from shell.config_schema import RaySection
+from shell.config_schema import NodePlacement, RaySection
 from shell.ray_cluster import connect
-connect(RaySection(address=None, num_cpus=2), lambda message: None)
+connect(RaySection(address=None, num_cpus=2, placement=NodePlacement.pack, worker_resource=None), lambda message: None)
 print("GCS", ray.get_runtime_context().gcs_address)
 ray.shutdown()
 """

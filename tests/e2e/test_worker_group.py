@@ -467,6 +467,30 @@ def test_worker_group_rejects_non_worker_class() -> None:
         WorkerGroup(ProbeWorker, sharding, role=1)  # type: ignore[arg-type]
 
 
+def test_worker_group_rank_options_place_each_rank(ray_cluster: None) -> None:
+    """Each rank gets its own extra Ray options: pinned by node affinity (``spread``) to the session's one
+    node, every rank reports that node."""
+    from shell.config_schema import NodePlacement
+    from shell.node_placement import driver_node, rank_options
+
+    options = rank_options(NodePlacement.spread, None, 2)
+    with WorkerGroup(ProbeWorker, NamedSharding({"data_parallel": 2}), num_cpus_per_worker=CPUS, rank_options=options) as wg:
+        assert wg.call(Worker.node_id) == [driver_node()] * 2
+
+
+def test_worker_group_rejects_bad_rank_options() -> None:
+    """rank_options: one mapping per rank, never one of the group's own options; checked before any actor starts."""
+    sharding = NamedSharding({"data_parallel": 2})
+    with pytest.raises(ValueError, match=r"'rank_options' must have 2 entries \(one per rank\): got 1"):
+        WorkerGroup(ProbeWorker, sharding, rank_options=[{}])
+    with pytest.raises(TypeError, match=r"'rank_options' entries must be mappings: got str at rank 1"):
+        WorkerGroup(ProbeWorker, sharding, rank_options=[{}, "spread"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"'rank_options' must be a sequence of mappings, one per rank: got dict"):
+        WorkerGroup(ProbeWorker, sharding, rank_options={"resources": {}})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'rank_options' must not set \['num_cpus'\] .*: got them at rank 0"):
+        WorkerGroup(ProbeWorker, sharding, rank_options=[{"num_cpus": 2}, {}])
+
+
 def test_worker_rank_before_setup_raises() -> None:
     """A worker has no rank until its group sets it up (e.g. inside __init__)."""
     with pytest.raises(RuntimeError, match=r"this worker has no rank yet"):

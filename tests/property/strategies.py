@@ -384,6 +384,38 @@ def field_batches(
 sharding_sizes = st.dictionaries(st.sampled_from(AXES), st.integers(1, 3))
 """Axis sizes for ``NamedSharding``: any subset of ``AXES`` (the rest default to 1), each in 1..3."""
 named_shardings = sharding_sizes.map(NamedSharding)
+node_id_lists = st.lists(st.text(alphabet="0123456789abcdef", min_size=1, max_size=6), max_size=6)
+"""Cluster node ids (hex text, duplicates and the empty cluster included)."""
+actor_counts = st.integers(0, 20)
+
+
+@st.composite
+def socket_pairs(draw: st.DrawFn, *, max_pairs: int = 6) -> tuple[list[Any], list[Any], dict[int, str]]:
+    """Two snapshots of TCP connections between pids owned by a few nodes: ``(before, after, owners)``.
+
+    Every connection appears from both ends (each end held by one pid); ``after``'s counters are
+    ``before``'s plus a drawn increase, and some connections are new in ``after``. Some pids have no owner.
+    """
+    from shell.bench.traffic import SocketStat
+
+    owners = draw(st.dictionaries(st.integers(1, 8), st.sampled_from(["head", "worker 1", "worker 2"]), max_size=8))
+    before: list[Any] = []
+    after: list[Any] = []
+    for i in range(draw(st.integers(0, max_pairs))):
+        a, b = f"h:{1000 + 2 * i}", f"h:{1001 + 2 * i}"
+        pa, pb = draw(st.integers(1, 10)), draw(st.integers(1, 10))
+        old_ab, old_ba = draw(st.integers(0, 10**6)), draw(st.integers(0, 10**6))
+        more_ab, more_ba = draw(st.integers(0, 10**6)), draw(st.integers(0, 10**6))
+        if draw(st.booleans()):
+            before += [SocketStat(a, b, (pa,), old_ab, old_ba), SocketStat(b, a, (pb,), old_ba, old_ab)]
+        else:
+            old_ab = old_ba = 0
+        after += [SocketStat(a, b, (pa,), old_ab + more_ab, old_ba + more_ba),
+                  SocketStat(b, a, (pb,), old_ba + more_ba, old_ab + more_ab)]
+    return before, after, owners
+
+
+positive_times = st.lists(st.floats(0.01, 100.0, allow_nan=False), min_size=1, max_size=9)
 
 reward_values = st.one_of(st.sampled_from([0.0, 0.5, 1.0]), st.floats(-10, 10, allow_nan=False, width=32))
 """Rewards: often the 0 / 0.5 / 1 of verifiable tasks (so ties are common), else any moderate float."""

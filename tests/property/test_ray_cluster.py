@@ -14,7 +14,12 @@ import ray
 
 from shell import ray_cluster
 from shell.config_error import ConfigError
-from shell.config_schema import RaySection
+from shell.config_schema import NodePlacement, RaySection
+
+
+def _ray(address: str | None, num_cpus: int) -> RaySection:
+    """A ``ray`` section with the default placement."""
+    return RaySection(address=address, num_cpus=num_cpus, placement=NodePlacement.pack, worker_resource=None)
 
 
 @pytest.fixture
@@ -54,10 +59,10 @@ def test_check_address_accepts_a_ray_gcs_and_rejects_a_closed_port(no_cluster: P
     monkeypatch.setattr(ray_cluster, "_probe_gcs", lambda address: "")
     with _listening() as server:
         port = server.getsockname()[1]
-        ray_cluster.check_address(RaySection(address=f"127.0.0.1:{port}", num_cpus=1))
+        ray_cluster.check_address(_ray(f"127.0.0.1:{port}", 1))
     with pytest.raises(ConfigError, match=rf"config key 'ray.address': no Ray cluster answers at 127.0.0.1:{port}: .*ray start --head --port={port}"):
-        ray_cluster.check_address(RaySection(address=f"127.0.0.1:{port}", num_cpus=1))
-    ray_cluster.check_address(RaySection(address=None, num_cpus=1))  # embedded: nothing to check
+        ray_cluster.check_address(_ray(f"127.0.0.1:{port}", 1))
+    ray_cluster.check_address(_ray(None, 1))  # embedded: nothing to check
 
 
 def test_check_address_rejects_a_silent_port_within_its_timeout(no_cluster: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,7 +75,7 @@ def test_check_address_rejects_a_silent_port_within_its_timeout(no_cluster: Path
         started = time.monotonic()
         with pytest.raises(ConfigError, match=rf"config key 'ray.address': no Ray cluster answers at {address}: "
                                               r"the port accepts connections, but no Ray GCS answered within 0.5 s"):
-            ray_cluster.check_address(RaySection(address=address, num_cpus=1))
+            ray_cluster.check_address(_ray(address, 1))
     assert time.monotonic() - started < 5.0
 
 
@@ -91,7 +96,7 @@ def test_connect_turns_a_failed_join_into_a_config_error(no_cluster: Path, monke
         address = f"127.0.0.1:{server.getsockname()[1]}"
         with pytest.raises(ConfigError, match=rf"^config key 'ray.address': cannot join the Ray cluster at {address}: "
                                               r"Failed to connect to Ray cluster at 127.0.0.1:1; if the cluster uses token"):
-            ray_cluster.connect(RaySection(address=address, num_cpus=1), lambda message: None)
+            ray_cluster.connect(_ray(address, 1), lambda message: None)
     assert calls[0]["address"] == address
 
 
@@ -101,7 +106,7 @@ def test_connect_embedded_never_joins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
-    assert ray_cluster.connect(RaySection(address=None, num_cpus=3), lambda message: None) is True
+    assert ray_cluster.connect(_ray(None, 3), lambda message: None) is True
     assert (calls[0]["address"], calls[0]["num_cpus"]) == ("local", 3)
 
 
@@ -119,7 +124,7 @@ def test_connect_keeps_the_signal_handlers(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(ray, "init", init)
     saved = {sig: signal.signal(sig, mine) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        ray_cluster.connect(RaySection(address=None, num_cpus=1), lambda message: None)
+        ray_cluster.connect(_ray(None, 1), lambda message: None)
         assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is mine
     finally:
         for sig, handler in saved.items():
@@ -146,7 +151,7 @@ def test_connect_hands_a_sigterm_during_ray_init_to_the_callers_handler(monkeypa
     saved = signal.signal(signal.SIGTERM, mine)
     try:
         with pytest.raises(Stop):
-            ray_cluster.connect(RaySection(address=None, num_cpus=1), lambda message: None)
+            ray_cluster.connect(_ray(None, 1), lambda message: None)
         assert signal.getsignal(signal.SIGTERM) is mine and shutdowns == [True]
     finally:
         signal.signal(signal.SIGTERM, saved)
@@ -156,4 +161,4 @@ def test_connect_uses_the_ray_this_process_has(monkeypatch: pytest.MonkeyPatch) 
     """With Ray already initialised (a library caller, the test session), connect starts nothing and owns nothing."""
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("ray.init must not be called"))
-    assert ray_cluster.connect(RaySection(address="auto", num_cpus=1), lambda message: None) is False
+    assert ray_cluster.connect(_ray("auto", 1), lambda message: None) is False

@@ -16,9 +16,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shell.config_schema import (
-    TQ_OBJECT_STORE_CPUS, TRANSFER_QUEUE_CPUS, AsyncSection, RolloutSection, config_key, schema_fields
-)
+from shell.config_schema import TQ_OBJECT_STORE_CPUS, TRANSFER_QUEUE_CONTROLLER_CPUS, AsyncSection, RolloutSection, config_key, schema_fields
 from shell.grpo_trainer import model_config
 from shell.run_config import (
     ConfigError,
@@ -685,6 +683,47 @@ def test_load_run_config_accepts_ray_addresses(address: str) -> None:
     assert load_run_config([f"ray.address={address}"]).ray.address == address
 
 
+def test_load_run_config_reads_placement_keys() -> None:
+    """ray.placement, ray.worker_resource, data_plane.storage_units and data_plane.storage_resource load as typed."""
+    config = load_run_config([
+        "ray.address=auto", "ray.placement=spread", "ray.worker_resource=trainer",
+        "data_plane.storage_units=3", "data_plane.storage_resource=store", "data_plane.backend=transfer_queue",
+    ])
+    assert (config.ray.placement.value, config.ray.worker_resource) == ("spread", "trainer")
+    assert (config.data_plane.storage_units, config.data_plane.storage_resource) == (3, "store")
+    defaults = load_run_config()
+    assert (defaults.ray.placement.value, defaults.ray.worker_resource, defaults.data_plane.storage_resource) == ("pack", None, None)
+
+
+@pytest.mark.parametrize("key", ["ray.worker_resource", "data_plane.storage_resource"])
+def test_load_run_config_rejects_a_node_resource_on_an_embedded_cluster(key: str) -> None:
+    """A custom node resource needs ray.address: an embedded cluster's one node has none, so nothing could be placed."""
+    with _raises_naming(key) as info:
+        load_run_config([f"{key}=store", "data_plane.backend=transfer_queue"])
+    assert "must be null for an embedded cluster" in str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["tq_object_store", "memory"])
+def test_load_run_config_rejects_a_storage_resource_without_storage_units(backend: str) -> None:
+    """data_plane.storage_resource places SimpleStorage units: with another backend it would do nothing, so it is refused."""
+    with _raises_naming("data_plane.storage_resource") as info:
+        load_run_config(["ray.address=auto", "data_plane.storage_resource=store", f"data_plane.backend={backend}"])
+    assert "unless data_plane.backend is transfer_queue" in str(info.value)
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("ray.placement=scatter", "ray.placement"),
+    ("ray.worker_resource=CPU", "ray.worker_resource"),
+    ("data_plane.storage_resource=' store'", "data_plane.storage_resource"),
+    ("data_plane.storage_resource=CPU", "data_plane.storage_resource"),
+    ("data_plane.storage_units=0", "data_plane.storage_units"),
+])
+def test_load_run_config_rejects_bad_placement_values(override: str, key: str) -> None:
+    """An unknown placement, a built-in resource name, a padded name or no storage unit names its key."""
+    with _raises_naming(key):
+        load_run_config(["ray.address=auto", override])
+
+
 # ---------------------------------------------------------------- round trip of config.yaml
 
 
@@ -846,10 +885,11 @@ def test_load_run_config_micro_batch_tokens_must_hold_the_longest_row() -> None:
 @pytest.mark.parametrize(
     ("overrides", "arithmetic"),
     [
-        (["ray.num_cpus=1"], "1 policy rank x 0.25 + 1 rollout engine x 0.25 + 1 for TransferQueue = 1.5"),
         (["ray.num_cpus=1", "data_plane.backend=transfer_queue"], "1 policy rank x 0.25 + 1 rollout engine x 0.25 + 3 for TransferQueue = 3.5"),
-        (["policy.num_cpus_per_worker=7"], "1 policy rank x 7 + 1 rollout engine x 7 + 1 for TransferQueue = 15"),
-        (["policy.layout.data_parallel=4", "ray.num_cpus=1"], "4 policy ranks x 0.25 + 1 rollout engine x 0.25 + 1 for TransferQueue = 2.25"),
+        (["policy.num_cpus_per_worker=7", "data_plane.backend=transfer_queue"], "1 policy rank x 7 + 1 rollout engine x 7 + 3 for TransferQueue = 17"),
+        (["policy.layout.data_parallel=4", "ray.num_cpus=4", "data_plane.backend=transfer_queue"], "4 policy ranks x 0.25 + 1 rollout engine x 0.25 + 3 for TransferQueue = 4.25"),
+        (["ray.num_cpus=2", "data_plane.backend=transfer_queue", "data_plane.storage_units=4"], "1 policy rank x 0.25 + 1 rollout engine x 0.25 + 5 for TransferQueue = 5.5"),
+        (["ray.num_cpus=1", "data_plane.backend=tq_object_store"], "1 policy rank x 0.25 + 1 rollout engine x 0.25 + 1 for TransferQueue = 1.5"),
     ],
 )
 def test_load_run_config_rejects_actors_that_never_fit_the_embedded_cluster(overrides: list[str], arithmetic: str) -> None:
@@ -866,18 +906,17 @@ def test_load_run_config_cpu_check_applies_only_to_an_embedded_cluster() -> None
     assert load_run_config(["ray.num_cpus=1", "data_plane.backend=memory", "policy.num_cpus_per_worker=0.5"])
 
 
-@given(
-    st.integers(1, 4), st.sampled_from([0.25, 0.5, 1.0, 2.0]), st.integers(1, 12), st.booleans(),
-    st.sampled_from(["tq_object_store", "transfer_queue"]),
-)
+@given(st.integers(1, 4), st.sampled_from([0.25, 0.5, 1.0, 2.0]), st.integers(1, 12), st.booleans(), st.integers(1, 4),
+       st.sampled_from(["transfer_queue", "tq_object_store"]))
 def test_load_run_config_accepts_exactly_the_layouts_that_fit(
-    dp: int, each: float, cpus: int, plane: bool, backend: str
+    dp: int, each: float, cpus: int, plane: bool, units: int, backend: str
 ) -> None:
-    """A config loads iff ``cluster_cpus`` (ranks x each + rollout x each + TransferQueue) <= ray.num_cpus."""
+    """A config loads iff ``cluster_cpus`` (ranks x each + rollout x each + TransferQueue's controller, plus its
+    storage units on SimpleStorage) <= ray.num_cpus."""
     overrides = [f"policy.layout.data_parallel={dp}", f"policy.num_cpus_per_worker={each}", f"ray.num_cpus={cpus}",
                  f"data_plane.enabled={str(plane).lower()}", "policy.train_global_batch_size=null",
-                 f"data_plane.backend={backend}"]
-    store = TRANSFER_QUEUE_CPUS if backend == "transfer_queue" else TQ_OBJECT_STORE_CPUS
+                 f"data_plane.storage_units={units}", f"data_plane.backend={backend}"]
+    store = TRANSFER_QUEUE_CONTROLLER_CPUS + units if backend == "transfer_queue" else TQ_OBJECT_STORE_CPUS
     needed = dp * each + each + (store if plane else 0)
     if needed <= cpus:
         assert cluster_cpus(load_run_config(overrides))[0] == needed
@@ -887,7 +926,8 @@ def test_load_run_config_accepts_exactly_the_layouts_that_fit(
 
 
 def test_transfer_queue_cpus_match_its_actors() -> None:
-    """TRANSFER_QUEUE_CPUS is TransferQueue's controller plus its default storage units, at their declared CPUs."""
+    """TransferQueue's controller takes TRANSFER_QUEUE_CONTROLLER_CPUS and each storage unit 1 CPU, as declared;
+    the default data_plane.storage_units is TransferQueue's own default."""
     from transfer_queue.controller import TransferQueueController
     from transfer_queue.storage.simple_storage import SimpleStorageUnit
 
@@ -896,7 +936,8 @@ def test_transfer_queue_cpus_match_its_actors() -> None:
     units = resolve_config().backend.SimpleStorage.num_data_storage_units
     controller = TransferQueueController._default_options["num_cpus"]
     unit = SimpleStorageUnit._default_options["num_cpus"]
-    assert TRANSFER_QUEUE_CPUS == controller + units * unit
+    assert TRANSFER_QUEUE_CONTROLLER_CPUS == controller and unit == 1
+    assert load_run_config().data_plane.storage_units == units
 
 
 def test_run_config_cannot_be_built_invalid_by_evolve(defaults: RunConfig) -> None:
