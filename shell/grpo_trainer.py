@@ -280,7 +280,7 @@ class GRPOTrainer:
         """
         errors: list[BaseException] = []
         interrupt: BaseException | None = None
-        for action in (self._abort_step, self._stop_source, self._stop_policy, self._sweep_keys, self._close_store):
+        for action in (self._abort_step, self._stop_source, self._stop_policy, self.sweep_keys, self._close_store):
             try:
                 action()
             except StoreFailure as error:  # a dead store part: already reported by the step it failed, if any
@@ -337,7 +337,7 @@ class GRPOTrainer:
         if self.source is not None:
             self.source.close()
 
-    def _sweep_keys(self) -> None:
+    def sweep_keys(self) -> None:
         """Clear every key of this run still in the partition (a dead actor's half-written batch included)."""
         client = self.client
         if client is None:

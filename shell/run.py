@@ -146,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 trainer.start(on_status=lambda message: console.print(f"  {message}", highlight=False))
                 tq_system.quiet_logs()
                 stopper.track(_worker_pids(_write_processes(trainer, run_dir / PROCESSES_FILE)))
+                if not trainer.owns_store:  # a joined store outlives a hard stop: the run's keys must not
+                    stopper.before_exit(trainer.sweep_keys)
                 if checkpoint is not None:
                     trainer.load_policy_state(checkpoint["weights"])
                     console.print(f"  resumed from step {checkpoint['step']}", highlight=False)

@@ -9,7 +9,9 @@ Invariants:
     since the clean-up (or the first signal) began, skips to the *hard stop*;
   * the hard stop SIGKILLs every process of the run on this machine (the
     descendants of the driver, which hold an embedded Ray cluster, and the
-    Ray workers the run recorded with :meth:`RunStopper.track`), then ends the
+    Ray workers the run recorded with :meth:`RunStopper.track`), runs the
+    run's last action (:meth:`RunStopper.before_exit`: the run clears its keys
+    from a store it joined) for at most :data:`LAST_ACTION_S`, then ends the
     driver at once with ``os._exit`` (130 after a signal, else the status the
     clean-up was for). Actors on other nodes of a joined cluster end with the
     driver's job, as Ray ends a job's actors when its driver exits.
@@ -31,6 +33,8 @@ import psutil
 EXIT_INTERRUPTED = 130
 CLEANUP_TIMEOUT_S = 20.0
 """How long the clean-up after a failure or a signal may take before the hard stop."""
+LAST_ACTION_S = 5.0
+"""How long the hard stop gives the action of :meth:`RunStopper.before_exit`."""
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _RAY_WORKER_TITLE = "ray::"  # Ray sets its workers' process titles so: a recorded pid is killed only if it still is one
 
@@ -78,6 +82,7 @@ class RunStopper:
         self._timer: threading.Timer | None = None
         self._lock = threading.Lock()
         self._stopping = False
+        self._last: Callable[[], None] | None = None
 
     @property
     def interrupted(self) -> bool:
@@ -87,6 +92,11 @@ class RunStopper:
     def track(self, pids: Iterable[int]) -> None:
         """Add Ray worker pids (the run's actors) to what the hard stop kills."""
         self._pids.update(int(pid) for pid in pids)
+
+    def before_exit(self, action: Callable[[], None]) -> None:
+        """What the hard stop does once the run's processes are dead, within :data:`LAST_ACTION_S` (e.g. clear the
+        run's keys from a store it joined, which the kill leaves running)."""
+        self._last = action
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[RunStopper]:
@@ -148,10 +158,19 @@ class RunStopper:
         with contextlib.suppress(Exception):
             killed = kill_processes(self._pids)
             self._say(f"hard stop ({reason}): killed {killed} processes of the run; exit {status}")
+        if self._last is not None:  # nothing of the run writes any more: its last action, bounded
+            worker = threading.Thread(target=_quietly, args=(self._last,), daemon=True)
+            worker.start()
+            worker.join(LAST_ACTION_S)
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(status)
+
+
+def _quietly(action: Callable[[], None]) -> None:
+    with contextlib.suppress(BaseException):
+        action()
 
 
 def kill_processes(pids: Iterable[int]) -> int:

@@ -54,11 +54,18 @@ def _exit_after(proc: subprocess.Popen[str], since: float, bound_s: float) -> tu
     return proc.returncode, err, time.monotonic() - since
 
 
-@pytest.mark.parametrize("part", ["TransferQueue storage unit 1", "TransferQueue controller"])
-def test_run_killed_store_part_exits_1_naming_it(tmp_path: Path, part: str) -> None:
-    """SIGKILL of a TransferQueue storage unit or of its controller mid-run: exit 1 within 30 s, the message names
-    the part and its pid, no process of the run survives."""
-    proc = _start(tmp_path)
+@pytest.mark.parametrize(
+    ("backend", "part"),
+    [
+        ("transfer_queue", "TransferQueue storage unit 1"),
+        ("tq_object_store", "TransferQueue controller"),
+        ("tq_object_store", "TransferQueue object-store index"),
+    ],
+)
+def test_run_killed_store_part_exits_1_naming_it(tmp_path: Path, backend: str, part: str) -> None:
+    """SIGKILL of a part of TransferQueue mid-run (a SimpleStorage unit, the controller, the object-store backend's
+    index): exit 1 within 30 s, the message names the part and its pid, no process of the run survives."""
+    proc = _start(tmp_path, f"data_plane.backend={backend}")
     info = _wait_for_steps(proc, tmp_path, 2)
     tree = _descendants(proc.pid)
     victim = int(info["store"][part])  # type: ignore[index]

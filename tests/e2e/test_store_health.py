@@ -81,12 +81,15 @@ def test_store_failure_pickles_with_its_part() -> None:
 
 
 def test_transfer_queue_store_parts_are_its_controller_and_units(tq_store_session: TransferQueueStore) -> None:
-    """An attached store names TransferQueue's controller and each storage unit, with their pids, and all answer."""
+    """An attached store names TransferQueue's controller and each storage unit (or the object-store backend's
+    index), with their pids, and all answer."""
     store = TransferQueueStore.attach()
     try:
         assert isinstance(store, HealthCheckedStore)
         parts = store.parts()
-        units = [] if TQ_BACKEND == "MooncakeStore" else ["TransferQueue storage unit 0", "TransferQueue storage unit 1"]
+        units = {
+            "MooncakeStore": [], "RayObjectStore": ["TransferQueue object-store index"],
+        }.get(TQ_BACKEND, ["TransferQueue storage unit 0", "TransferQueue storage unit 1"])
         assert [p.role for p in parts] == ["TransferQueue controller", *units]
         assert all(isinstance(p.pid, int) and p.pid > 0 for p in parts)
         store.check_health()

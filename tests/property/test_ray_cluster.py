@@ -89,6 +89,7 @@ def test_connect_turns_a_failed_join_into_a_config_error(no_cluster: Path, monke
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)  # the failed join's clean-up must not stop this process's Ray
     monkeypatch.setattr(ray_cluster, "_present_token", lambda: None)
     monkeypatch.setattr(ray_cluster, "_dialed_address", lambda target: target)
     monkeypatch.setattr(ray_cluster, "_probe_gcs", lambda address: "")
