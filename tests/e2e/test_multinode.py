@@ -177,13 +177,13 @@ def test_multinode_data_plane_moves_bulk_off_the_driver(runs: dict[str, Any]) ->
 
 # ---------------------------------------------------------------- losing a whole node (runs last: it kills one)
 
-NEEDS_STORE_HEALTH = pytest.mark.skip(
-    reason="PENDING (issue 13, faults): needs the store health checks of branch faults-store; without them a "
-    "dead storage unit hangs the run. Remove this mark once they are merged."
+NODE_LOSS_OPEN = pytest.mark.skip(
+    reason="OPEN (issue 13): with the store health checks merged, a run whose storage node's raylet is killed still "
+    "did not exit within 60 s on this machine (2026-11-23); the probes' path through a dead raylet needs work"
 )
 
 
-@NEEDS_STORE_HEALTH
+@NODE_LOSS_OPEN
 def test_multinode_losing_a_storage_node_fails_the_run_naming_the_store(
     runs: dict[str, Any], cluster: dict[str, Any], tmp_path: Path
 ) -> None:
