@@ -46,7 +46,9 @@ from ray.exceptions import RayActorError, RayTaskError
 from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
-from adapters.store_health import DEFAULT_DEADLINES, ActorParts, Deadlines, StoreFailure, StorePart, actor_pids, wait_for
+from adapters.store_health import (
+    DEFAULT_DEADLINES, ActorParts, Deadlines, ProbedActors, StoreFailure, StorePart, actor_pids, wait_for,
+)
 from adapters.ray_actors import named_actor_exists
 from adapters.rows import column_spec, from_bit_views, read_columns_of, to_bit_views
 from adapters.store_port import Keys, SeqLens, StoreAdapter, Tags, validate_put
@@ -134,7 +136,7 @@ def is_running(name: str) -> bool:
     return named_actor_exists(_check_name(name), NAMESPACE)
 
 
-class RayMemoryStore(StoreAdapter):
+class RayMemoryStore(ProbedActors, StoreAdapter):
     """A :class:`adapters.store_port.DataPlaneClient` over a :class:`MemoryStoreActor`; thread-safe.
 
     Build one with :meth:`start` (creates and owns the actor) or :meth:`attach`
@@ -240,23 +242,6 @@ class RayMemoryStore(StoreAdapter):
     def owns_actor(self) -> bool:
         """Whether ``close()`` kills the actor."""
         return self._owns_actor
-
-    @property
-    def deadlines(self) -> Deadlines:
-        """The deadlines of this store's calls."""
-        return self._deadlines
-
-    def parts(self) -> tuple[StorePart, ...]:
-        """The store's one process: its actor."""
-        return self._parts.parts
-
-    def check_health(self) -> None:
-        """Probe the actor.
-
-        Raises:
-            StoreFailure: it is dead or does not answer within ``deadlines.probe_timeout_s`` (naming it).
-        """
-        self._parts.check(self._deadlines.probe_timeout_s)
 
     def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags, require_stored):
         """Check the arguments and every column here, then send them to the actor (see ``StoreAdapter``)."""

@@ -217,6 +217,31 @@ class ActorParts:
 # ---------------------------------------------------------------- a call with a deadline
 
 
+class ProbedActors:
+    """What a store built on :class:`ActorParts` gives for :class:`HealthCheckedStore`, written once: a subclass sets
+    ``_parts`` (its :class:`ActorParts`) and ``_deadlines``."""
+
+    _parts: ActorParts
+    _deadlines: Deadlines
+
+    @property
+    def deadlines(self) -> Deadlines:
+        """The deadlines of this store's calls."""
+        return self._deadlines
+
+    def parts(self) -> tuple[StorePart, ...]:
+        """The store's processes that are probed (see the store's docstring)."""
+        return self._parts.parts
+
+    def check_health(self) -> None:
+        """Probe every part.
+
+        Raises:
+            StoreFailure: one is dead or does not answer within ``deadlines.probe_timeout_s`` (naming it).
+        """
+        self._parts.check(self._deadlines.probe_timeout_s)
+
+
 def wait_for(
     poll: Callable[[float], tuple[bool, T | None]],
     *,

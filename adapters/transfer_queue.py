@@ -58,7 +58,7 @@ import transfer_queue as tq
 from tensordict import TensorDict
 
 from adapters import tq_system, tq_wire
-from adapters.store_health import DEFAULT_DEADLINES, ActorParts, Deadlines, StorePart, wait_for
+from adapters.store_health import DEFAULT_DEADLINES, ActorParts, Deadlines, ProbedActors, wait_for
 from adapters.store_port import (
     StoreAdapter,
     pick_tags,
@@ -116,7 +116,7 @@ async def _write(client: tq.TransferQueueClient, payload: TensorDict, meta: tq.B
 # ---------------------------------------------------------------- stores
 
 
-class TransferQueueStore(StoreAdapter):
+class TransferQueueStore(ProbedActors, StoreAdapter):
     """A :class:`adapters.store_port.DataPlaneClient` over TransferQueue; thread-safe.
 
     Build one with :meth:`start` (starts and owns TQ) or :meth:`attach` (joins a
@@ -187,23 +187,6 @@ class TransferQueueStore(StoreAdapter):
                 TransferQueue runs on the cluster.
         """
         return cls(tq_system.attach(), parts=tq_system.parts(DEFAULT_DEADLINES.probe_timeout_s))
-
-    @property
-    def deadlines(self) -> Deadlines:
-        """The deadlines of this store's calls."""
-        return self._deadlines
-
-    def parts(self) -> tuple[StorePart, ...]:
-        """TQ's processes this store probes: the controller, then the storage units by rank."""
-        return self._parts.parts
-
-    def check_health(self) -> None:
-        """Probe the controller and every storage unit.
-
-        Raises:
-            StoreFailure: one is dead or does not answer within ``deadlines.probe_timeout_s`` (naming it).
-        """
-        self._parts.check(self._deadlines.probe_timeout_s)
 
     def _call(self, op: str, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any, **kwargs: Any) -> Any:
         """``function(*args, **kwargs)`` run on TQ's client loop, within the deadline, the parts probed while it waits.
