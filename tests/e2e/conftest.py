@@ -40,6 +40,15 @@ from adapters.transfer_queue import TransferQueueStore, is_running
 
 StoreFactory = Callable[[pytest.FixtureRequest], DataPlaneClient]
 
+SMALL_DP2_RUN: tuple[str, ...] = (
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "policy.layout.data_parallel=2",
+    "policy.micro_batch_tokens=64",
+    "policy.train_global_batch_size=8",
+)
+"""Overrides of a short e2e GRPO run: 16 rows a step on two policy replicas (add the step count and the rest)."""
+
 ROOT = Path(__file__).resolve().parents[2]
 """The repository root: put on the path of Ray workers so actors import the project."""
 

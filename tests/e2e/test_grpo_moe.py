@@ -18,17 +18,14 @@ import pytest
 from adapters.transfer_queue import TransferQueueStore
 from shell import run as shell_run
 from shell.run_log import read_metrics
+from tests.e2e.conftest import SMALL_DP2_RUN
 
 pytestmark = pytest.mark.e2e
 
 STEPS = 3
 MOE = [
     f"grpo.num_steps={STEPS}",
-    "grpo.num_prompts_per_step=4",
-    "grpo.num_generations_per_prompt=4",
-    "policy.layout.data_parallel=2",
-    "policy.micro_batch_tokens=64",
-    "policy.train_global_batch_size=8",
+    *SMALL_DP2_RUN,
     "policy.model.num_experts=4",
     "policy.model.moe_topk=2",
     "policy.router_replay=r3",

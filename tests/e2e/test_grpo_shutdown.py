@@ -159,38 +159,35 @@ def test_run_signal_mid_run_exits_130_cleanly(tmp_path: Path, sig: signal.Signal
     assert (tmp_path / "reward.png").exists(), "an interrupted run still plots what it logged"
 
 
-def test_run_killed_collector_exits_1_naming_it(tmp_path: Path) -> None:
-    """Async GRPO, SIGKILL of the rollout collector mid-run: exit 1 within the bound, the message names the
-    collector, no process survives."""
-    proc = _start(tmp_path, "grpo.async.enabled=true", "grpo.async.max_staleness=1")
-    info = _wait_for_steps(proc, tmp_path, 2)
+def _kill_mid_run(tmp_path: Path, role: str, steps: int, bound_s: float, *extra: str) -> str:
+    """Start a run, SIGKILL its ``role`` process (from processes.json) after ``steps`` steps; assert exit 1 within
+    ``bound_s`` and no process left; return the driver's stderr."""
+    proc = _start(tmp_path, *extra)
+    info = _wait_for_steps(proc, tmp_path, steps)
     tree = _descendants(proc.pid)
-    victim = int(info["collector"])  # type: ignore[arg-type]
+    victim = int(info[role])  # type: ignore[arg-type]
     assert victim in {p.pid for p in tree}
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
-    status, err, took = _finish(proc, killed_at)
+    status, err, took = _finish(proc, killed_at, bound_s)
     assert status == 1, err
-    assert "run failed" in err and "rollout collector" in err, err
-    assert took < EXIT_BOUND_S
+    assert took < bound_s
     _assert_no_orphans(tree)
+    return err
+
+
+def test_run_killed_collector_exits_1_naming_it(tmp_path: Path) -> None:
+    """Async GRPO, SIGKILL of the rollout collector mid-run: exit 1 within the bound, the message names the
+    collector, no process survives."""
+    err = _kill_mid_run(tmp_path, "collector", 2, EXIT_BOUND_S, "grpo.async.enabled=true", "grpo.async.max_staleness=1")
+    assert "run failed" in err and "rollout collector" in err, err
 
 
 def test_run_killed_rollout_engine_exits_1_naming_it(tmp_path: Path) -> None:
     """SIGKILL of the rollout engine mid-run: exit 1 within 30 s, the message names the rollout engine (not the
     policy rank that was pushing weights to it), no process survives."""
-    proc = _start(tmp_path)
-    info = _wait_for_steps(proc, tmp_path, 1)
-    tree = _descendants(proc.pid)
-    victim = int(info["rollout"])  # type: ignore[arg-type]
-    assert victim in {p.pid for p in tree}
-    killed_at = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    status, err, took = _finish(proc, killed_at, FAULT_BOUND_S)
-    assert status == 1, err
+    err = _kill_mid_run(tmp_path, "rollout", 1, FAULT_BOUND_S)
     assert re.search(r"^run failed at step \d+: the rollout engine failed in '\w+': ", err, re.MULTILINE), err
-    assert took < FAULT_BOUND_S
-    _assert_no_orphans(tree)
 
 
 def test_run_sigterm_during_start_up_exits_130(tmp_path: Path) -> None:

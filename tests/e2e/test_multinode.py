@@ -26,6 +26,7 @@ import pytest
 
 from shell.bench.nodes import NODE_RESOURCE
 from shell.run_log import read_metrics
+from tests.e2e.conftest import SMALL_DP2_RUN
 
 pytestmark = pytest.mark.e2e
 
@@ -33,11 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 RUN = [
     f"grpo.num_steps={STEPS}",
-    "grpo.num_prompts_per_step=4",
-    "grpo.num_generations_per_prompt=4",
-    "policy.layout.data_parallel=2",
-    "policy.micro_batch_tokens=64",
-    "policy.train_global_batch_size=8",
+    *SMALL_DP2_RUN,
     "grpo.loss.kl_coef=0.05",
     "run.progress=off",
     "ray.placement=spread",
