@@ -82,6 +82,8 @@ WEIGHTS = ("initial", "trained")
 REQUIRED = ("step", "step_time_s", "reward_mean", "driver_bytes", "data_plane_bytes", "rows", "sequence_tokens_mean")
 """Fields every step record must hold."""
 WORKER_TIMEOUT_S = 1800.0
+POLL_S = 1.0
+"""How often the wait for the mismatch worker checks that it is still alive."""
 
 
 @attrs.frozen
@@ -268,9 +270,7 @@ def measure_mismatch(
         worker = context.Process(target=_worker_main, args=args, daemon=True)
         worker.start()
         try:
-            status, payload = results.get(timeout=timeout_s)
-        except queue.Empty:
-            raise RuntimeError(f"the mismatch worker (seed {seed}) gave no result in {timeout_s:.0f} s") from None
+            status, payload = await_result(worker, results, timeout_s, f"the mismatch worker (seed {seed})")
         finally:
             worker.join(timeout=30)
             if worker.is_alive():
@@ -278,6 +278,30 @@ def measure_mismatch(
     if status != "ok":
         raise RuntimeError(f"the mismatch worker (seed {seed}) raised:\n{payload}")
     return payload
+
+
+def await_result(worker: Any, results: Any, timeout_s: float, name: str, poll_s: float = POLL_S) -> Any:
+    """The first item ``worker`` puts on ``results``, waiting at most ``timeout_s``; fails at once if it dies first.
+
+    ``worker`` needs ``is_alive()`` and ``exitcode`` (a ``multiprocessing.Process``), ``results`` a ``get(timeout=)``
+    that raises ``queue.Empty``. A worker that exits without a result (killed, out of memory, a failed start) is
+    reported within about ``poll_s`` instead of at the end of ``timeout_s``. What a worker put before it exited is
+    still read.
+
+    Raises:
+        RuntimeError: the worker exited without a result (naming ``name`` and its exit code), or ``timeout_s`` passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = worker.is_alive()
+        try:
+            return results.get(timeout=max(0.0, min(poll_s, deadline - time.monotonic())))
+        except queue.Empty:
+            pass
+        if not alive:
+            raise RuntimeError(f"{name} exited (exit code {worker.exitcode}) without a result")
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"{name} gave no result in {timeout_s:.0f} s")
 
 
 def _worker_main(overrides: tuple[str, ...], seed: int, batches: int, checkpoint: str | None, store: str,

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+import queue
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from core.routing import LogprobMismatch, logprob_mismatch, routing_bytes, routi
 from shell.bench.r3 import (
     LAST,
     R3BenchConfig,
+    await_result,
     check_records,
     mean_step_time,
     paired_ratios,
@@ -158,3 +163,41 @@ def test_r3_bench_config_applies_defaults_unless_overridden(tmp_path: Path) -> N
     assert own.base_overrides == (
         "policy.model.moe_topk=2", "rollout.precision=bf16", "data_plane.backend=transfer_queue", "policy.model.num_experts=4",
     )
+
+
+class _Worker:
+    """A stand-in for a worker process: alive or exited with ``exitcode``."""
+
+    def __init__(self, alive: bool, exitcode: int | None = None) -> None:
+        self.alive, self.exitcode = alive, exitcode
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_await_result_reads_a_result_and_fails_fast_on_a_dead_or_silent_worker() -> None:
+    """A result put before the worker exited is returned; a worker that exited without one fails within a poll,
+    naming its exit code, long before the timeout; a live worker that stays silent fails at the timeout."""
+    results: queue.Queue = queue.Queue()
+    results.put(("ok", 7))
+    assert await_result(_Worker(alive=False, exitcode=0), results, 60.0, "w", poll_s=0.01) == ("ok", 7)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^w exited \(exit code -9\) without a result$"):
+        await_result(_Worker(alive=False, exitcode=-9), queue.Queue(), 60.0, "w", poll_s=0.01)
+    assert time.monotonic() - started < 5.0
+    with pytest.raises(RuntimeError, match=r"^w gave no result in 0 s$"):
+        await_result(_Worker(alive=True), queue.Queue(), 0.05, "w", poll_s=0.01)
+
+
+def test_await_result_notices_a_real_spawned_process_that_exits_without_a_result() -> None:
+    """A spawned process that exits at once (as one killed, or one that fails to start) is reported with its exit
+    code instead of after the whole timeout."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    worker = context.Process(target=os._exit, args=(3,), daemon=True)
+    worker.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"exited \(exit code 3\) without a result"):
+        await_result(worker, results, 120.0, "the worker", poll_s=0.1)
+    assert time.monotonic() - started < 60.0
+    worker.join()
