@@ -262,9 +262,10 @@ class ProbedActors:
 
 
 def failure_in(error: BaseException | None) -> StoreFailure | None:
-    """The first :class:`StoreFailure` in ``error``'s chain, or None.
+    """The first :class:`StoreFailure` naming a failed part in ``error``'s chain, or None.
 
-    The chain is the error, what it was raised from or while handling (``__cause__``, ``__context__``), and, for a
+    Only a failure with a ``part`` counts (a process of the store died or went silent): a :class:`StoreTimeout`,
+    which names none because every part answered, says nothing about the store's other calls. The chain is the error, what it was raised from or while handling (``__cause__``, ``__context__``), and, for a
     Ray task error, the remote exception it carries (``cause``): so a worker's store call that failed, reported as a
     worker error, still names the store part. A Ray task error is looked through even when its class also derives
     from the remote exception's (Ray's ``RayTaskError(StoreFailure)``), so the failure comes back with its own
@@ -276,7 +277,7 @@ def failure_in(error: BaseException | None) -> StoreFailure | None:
         if isinstance(error, RayTaskError):
             error = error.cause
             continue
-        if isinstance(error, StoreFailure):
+        if isinstance(error, StoreFailure) and error.part is not None:
             return error
         error = error.__cause__ or error.__context__
     return None

@@ -437,7 +437,7 @@ class GRPOTrainer:
         A store failure that a worker found is handed to the driver's client first, so that nothing after it (the
         clear, the sweep, closing the store) waits on the failed part."""
         store = self._health_checked()
-        if failure is not None and store is not None:
+        if failure is not None and failure.part is not None and store is not None:  # a timeout names no part
             store.note_failure(failure)
         with contextlib.suppress(Exception):  # the step's own error is the one to report
             self._abort_step()

@@ -89,7 +89,8 @@ def _raises_store_failure() -> None:
 
 def test_failure_in_finds_a_workers_store_failure_through_ray_errors(ray_cluster: None) -> None:
     """A StoreFailure raised in a Ray task comes back as Ray's task error; chained under another error (a worker
-    error) it is still found, with its own message and part; an error without one gives None."""
+    error) it is still found, with its own message and part; an error without one, or a timeout (no part), gives
+    None."""
     with pytest.raises(RayTaskError) as caught:
         ray.get(ray.remote(_raises_store_failure).remote())
     try:
@@ -99,6 +100,7 @@ def test_failure_in_finds_a_workers_store_failure_through_ray_errors(ray_cluster
     assert type(found) is StoreFailure and str(found) == "TransferQueue storage unit 1 (pid 42) died"
     assert found.part == StorePart("TransferQueue storage unit 1", 42)
     assert failure_in(RuntimeError("no store here")) is None and failure_in(None) is None
+    assert failure_in(StoreTimeout("slow, every part answered")) is None  # names no part
 
 
 def test_note_failure_fails_every_later_call_at_once(ray_cluster: None) -> None:
