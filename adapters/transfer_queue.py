@@ -303,12 +303,15 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         return describe_meta(keys, partition_id, meta.custom_meta)
 
     def close(self) -> None:
-        """Mark the store closed; the owner also shuts TQ (and Ray, if it started it) down. Idempotent."""
+        """Mark the store closed; the owner also shuts TQ (and Ray, if it started it) down. Idempotent.
+
+        After a part failed (found by a call, a probe, or :meth:`note_failure`), the storage units are killed at
+        once instead of being asked to shut down: the close never waits on a dead or silent unit."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        tq_system.release(self._hold)
+        tq_system.release(self._hold, graceful=self._parts.failure is None)
 
     def _check_open(self) -> None:
         if self._closed:
