@@ -16,8 +16,11 @@ comes). This module is what every adapter plugs into so that never happens:
   probe), and a call that outlives ``call_s`` while every part answers fails
   with :class:`StoreTimeout`;
 * :class:`HealthCheckedStore`: the optional capability of a store
-  (``parts()``, ``check_health()``, ``deadlines``), which the trainer uses to
-  name the store part that died when a step fails.
+  (``parts()``, ``check_health()``, ``note_failure()``, ``deadlines``), which
+  the trainer uses to name the store part that died when a step fails, and to
+  hand a failure a worker found to the driver's own client;
+* :func:`failure_in`: the :class:`StoreFailure` in an error's chain (a worker's
+  store call that failed comes back to the driver wrapped in Ray's errors).
 
 Invariants: no store call of an adapter built on this waits longer than
 ``Deadlines.call_s`` plus one probe; once a part is found dead, every later
@@ -38,7 +41,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import attrs
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
 T = TypeVar("T")
 
@@ -129,6 +132,11 @@ class HealthCheckedStore(Protocol):
     def check_health(self) -> None:
         """Probe every part; raise :class:`StoreFailure` naming the first dead or silent one. Bounded by
         ``deadlines.probe_timeout_s``."""
+        ...
+
+    def note_failure(self, failure: StoreFailure) -> None:
+        """Take ``failure``, found by another process's call of the same store, as this store's own: every later
+        call fails at once with it, and closing the store does not wait on the failed part."""
         ...
 
 
@@ -240,6 +248,39 @@ class ProbedActors:
             StoreFailure: one is dead or does not answer within ``deadlines.probe_timeout_s`` (naming it).
         """
         self._parts.check(self._deadlines.probe_timeout_s)
+
+    def note_failure(self, failure: StoreFailure) -> None:
+        """Take ``failure`` (found by another process's call, e.g. a worker's) as this store's: every later call
+        raises it at once, without touching the store (the first failure known wins).
+
+        Raises:
+            TypeError: ``failure`` is not a :class:`StoreFailure`.
+        """
+        if not isinstance(failure, StoreFailure):
+            raise TypeError(f"'failure' must be a StoreFailure: got {type(failure).__name__}")
+        self._parts.fail(StoreFailure(str(failure), part=failure.part))
+
+
+def failure_in(error: BaseException | None) -> StoreFailure | None:
+    """The first :class:`StoreFailure` naming a failed part in ``error``'s chain, or None.
+
+    Only a failure with a ``part`` counts (a process of the store died or went silent): a :class:`StoreTimeout`,
+    which names none because every part answered, says nothing about the store's other calls. The chain is the error, what it was raised from or while handling (``__cause__``, ``__context__``), and, for a
+    Ray task error, the remote exception it carries (``cause``): so a worker's store call that failed, reported as a
+    worker error, still names the store part. A Ray task error is looked through even when its class also derives
+    from the remote exception's (Ray's ``RayTaskError(StoreFailure)``), so the failure comes back with its own
+    message and part, not Ray's traceback.
+    """
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, RayTaskError):
+            error = error.cause
+            continue
+        if isinstance(error, StoreFailure) and error.part is not None:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def wait_for(

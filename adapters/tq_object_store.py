@@ -2,22 +2,26 @@
 
 TransferQueue (TQ) still owns keys, partitions, tags and production status
 (its controller); this backend owns only the bytes. A put stores each field
-of the batch as **one Ray object per column** (a column frame: the column's
-bytes, its dtype and shape, and for a jagged column its row offsets), with
-one ``ray.put`` in the writing process; a column under
-:data:`INLINE_BYTES` travels inside the index call instead (Ray inlines small
-task arguments and replies, where a ``ray.put`` costs about a millisecond
-whatever its size). Each row's location, ``(column id, row)``, travels to the
-controller as TQ's per-row, per-field backend meta, so a get needs one
-controller lookup (which it makes anyway), one call to the index for the
-columns' object refs, and one ``ray.get``: zero-copy from the node's shared
-memory on the same node, Ray's own object transfer across nodes.
+of the batch as a **column frame** (the column's bytes, its dtype and shape,
+and for a jagged column its row offsets). The put's frames of
+:data:`INLINE_BYTES` or more go into **one Ray object per put**, with one
+``ray.put`` in the writing process; a smaller frame travels inside the index
+call instead (Ray inlines small task arguments and replies, where a
+``ray.put`` costs about a millisecond whatever its size). Each row's
+location, ``(column id, row)``, travels to the controller as TQ's per-row,
+per-field backend meta, so a get needs one controller lookup (which it makes
+anyway), one call to the index for the columns' object refs, and one
+``ray.get``: zero-copy from the node's shared memory on the same node, Ray's
+own object transfer across nodes (which moves the put's whole object, all
+its large fields, even when a get asks for some of them). The put's index
+call and its controller notification run at once; the put returns when both
+are done.
 
 The index (:class:`ObjectStoreIndex`, one named actor per TQ system, started
 with TQ and stopped with it) borrows every live column's object ref and
 counts its live rows per ``(global index, field)``. A rewrite of a field or a
 clear of a row releases that row; a column whose last row is released is
-dropped, and Ray frees it.
+dropped, and Ray frees a put's object once none of its columns is live.
 
 Ownership: Ray makes the process that calls ``ray.put`` the object's owner,
 and Ray 2.56 removed the way to name another owner. A column therefore lives
@@ -258,10 +262,11 @@ class ObjectStoreIndex:
         self._rows: dict[int, dict[str, str]] = {}  # global index -> {field: column id}
 
     def register(self, writer: str, puts: Sequence[tuple[str, str, list[Any], Sequence[int]]]) -> None:
-        """Record columns ``(field, column id, [ref or frame], global indexes)`` put by ``writer``; releases the rows
-        they overwrite."""
-        for field, column, (ref,), indexes in puts:
-            self._columns[column] = [ref, len(indexes), writer]
+        """Record columns ``(field, column id, [stored], global indexes)`` put by ``writer``, where ``stored`` is
+        ``(object ref, field)`` for a column inside a put's shared object and ``(frame, None)`` for one kept here;
+        releases the rows they overwrite."""
+        for field, column, (stored,), indexes in puts:
+            self._columns[column] = [stored, len(indexes), writer]
             for index in indexes:
                 fields = self._rows.setdefault(index, {})
                 old = fields.get(field)
@@ -270,7 +275,7 @@ class ObjectStoreIndex:
                     self._release(old, 1)
 
     def refs(self, columns: Sequence[str]) -> list[Any]:
-        """``[ref or frame, writer]`` of each column id, or None for a column that is not live."""
+        """``[stored, writer]`` of each column id (``stored`` as registered), or None for a column that is not live."""
         found = [self._columns.get(column) for column in columns]
         return [[entry[0], entry[2]] if entry is not None else None for entry in found]
 
@@ -344,16 +349,20 @@ class RayObjectStorageManager(StorageManager):
         if n == 0:
             return
         frames = {field: frame_column(field, data.get(field), n) for field in data.keys()}
+        large = {field: frame for field, frame in frames.items() if frame["bytes"].nbytes >= INLINE_BYTES}
+        shared = ray.put(large) if large else None  # one object for the put's large columns: one ray.put
         puts = []
         backend_meta: dict[int, dict[str, Any]] = {index: {} for index in indexes}
         for field, frame in frames.items():
             column = uuid.uuid4().hex
-            stored = frame if frame["bytes"].nbytes < INLINE_BYTES else ray.put(frame)
-            puts.append((field, column, [stored], indexes))
+            puts.append((field, column, [(shared, field) if field in large else (frame, None)], indexes))
             for row, index in enumerate(indexes):
                 backend_meta[index][field] = (column, row)
-        await _wait(self._index.register.remote(_WRITER, puts))
+        # The index's register and the controller's notify run at once; the put returns when both are done,
+        # so a get after it finds the rows in both.
+        registered = self._index.register.remote(_WRITER, puts)
         await self.notify_data_update(metadata.partition_ids[0], indexes, field_schema(data, frames), backend_meta)
+        await _wait(registered)
 
     async def get_data(self, metadata: Any) -> TensorDict:
         indexes = list(metadata.global_indexes)
@@ -379,10 +388,16 @@ class RayObjectStorageManager(StorageManager):
                 f"{BACKEND}: the column holding field {field!r} of global index {index} is no longer stored "
                 f"({len(lost)} column(s) missing): it was cleared or overwritten while this get ran"
             )
-        refs = [(column, entry[0]) for column, entry in zip(wanted, found) if isinstance(entry[0], ray.ObjectRef)]
-        frames = {column: entry[0] for column, entry in zip(wanted, found) if not isinstance(entry[0], ray.ObjectRef)}
+        frames: dict[str, Frame] = {}
+        shared: dict[Any, list[tuple[str, str]]] = {}  # object ref -> [(column id, field in the object)]
+        for column, ((stored, member), _writer) in zip(wanted, found):
+            if member is None:
+                frames[column] = stored
+            else:
+                shared.setdefault(stored, []).append((column, member))
         try:
-            frames.update(zip([column for column, _ref in refs], await _wait_all([ref for _column, ref in refs])))
+            for members, objects in zip(shared.values(), await _wait_all(list(shared))):
+                frames.update((column, objects[member]) for column, member in members)
         except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as error:
             writers = sorted({entry[1] for entry in found})
             raise RuntimeError(

@@ -286,13 +286,22 @@ def storage_units() -> dict[str, Any]:
     return dict(units) if isinstance(units, Mapping) else {}
 
 
-def release(hold: SystemHold) -> None:
-    """Shut down what ``hold`` owns: TQ and its backend processes, then Ray (even if TQ's shutdown fails)."""
+def release(hold: SystemHold, *, graceful: bool = True) -> None:
+    """Shut down what ``hold`` owns: TQ and its backend processes, then Ray (even if TQ's shutdown fails).
+
+    Args:
+        hold: what to shut down.
+        graceful: ask each SimpleStorage unit to shut down and wait for it (TQ's own close, up to 15 s) before
+            killing it. False (a part of the store failed) kills the units at once: a dead or silent unit would
+            only make the close wait.
+    """
     try:
         if hold.owns_transfer_queue:
             index = None
             try:
                 index = _take_object_store_index()
+                if not graceful:
+                    _kill_storage_units()
                 tq.close()
             finally:
                 _stop(hold.backend_processes)  # TQ leaves the Mooncake master running
@@ -302,6 +311,16 @@ def release(hold: SystemHold) -> None:
     finally:
         if hold.owns_ray:
             ray.shutdown()
+
+
+def _kill_storage_units() -> None:
+    """Kill the SimpleStorage units this process started, without waiting, and take them out of TQ's globals (so
+    TQ's ``close()`` does not wait for their graceful shutdown)."""
+    started = getattr(getattr(tq, "interface", None), "_TQ_STORAGE", None) or {}
+    units = started.pop("SimpleStorage", None) if isinstance(started, dict) else None
+    for unit in (units.values() if isinstance(units, Mapping) else ()):
+        with contextlib.suppress(Exception):  # already dead, or its node is gone
+            ray.kill(unit)
 
 
 def _take_object_store_index() -> Any:

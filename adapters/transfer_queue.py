@@ -98,18 +98,31 @@ async def _drop_registered(client: tq.TransferQueueClient, meta: tq.BatchMeta) -
             await client._clear_meta_in_controller(meta)
 
 
-async def _write(client: tq.TransferQueueClient, payload: TensorDict, meta: tq.BatchMeta) -> None:
-    """What TQ's ``put`` does that this adapter needs: store the columns, then record the keys' tags.
+async def _write(client: tq.TransferQueueClient, payload: TensorDict, meta: tq.BatchMeta, *, all_fresh: bool) -> None:
+    """What TQ's ``put`` does that this adapter needs: store the columns and record the keys' tags.
 
     TQ's own ``put`` also rebuilds the meta it returns (unbinding every jagged
     column row by row) and resets torch's thread count on every call; the
     adapter keeps its own receipt, so it skips both. The tags go to the
     controller on a meta of their own (see below).
+
+    When every key is new (``all_fresh``), the columns and the tags are sent
+    at once: if either fails, the caller drops the keys, tags and rows with
+    them. A put that rewrites stored keys records their tags only after its
+    columns are stored, so a failed put leaves those keys' tags as they were.
     """
-    await client.storage_manager.put_data(payload, meta)
     # TQ's client deep-copies the meta it is given, field schemas (a shape per row and field) included:
     # hand it the keys' tags alone.
     tags = tq.BatchMeta(global_indexes=meta.global_indexes, partition_ids=meta.partition_ids, custom_meta=meta.custom_meta)
+    if all_fresh:
+        stored, tagged = await asyncio.gather(
+            client.storage_manager.put_data(payload, meta), client.async_set_custom_meta(tags), return_exceptions=True
+        )
+        for outcome in (stored, tagged):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return
+    await client.storage_manager.put_data(payload, meta)
     await client.async_set_custom_meta(tags)
 
 
@@ -242,7 +255,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         fresh = new_keys(plan, meta.custom_meta)
         meta.update_custom_meta(tag_updates(plan, meta.custom_meta))
         try:
-            self._call("put", _write, client, plan.payload, meta)
+            self._call("put", _write, client, plan.payload, meta, all_fresh=len(fresh) == len(plan.receipt.keys))
         except BaseException:
             if fresh:
                 with contextlib.suppress(Exception):  # e.g. TQ's event loop is gone too, or a part died
@@ -290,12 +303,15 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         return describe_meta(keys, partition_id, meta.custom_meta)
 
     def close(self) -> None:
-        """Mark the store closed; the owner also shuts TQ (and Ray, if it started it) down. Idempotent."""
+        """Mark the store closed; the owner also shuts TQ (and Ray, if it started it) down. Idempotent.
+
+        After a part failed (found by a call, a probe, or :meth:`note_failure`), the storage units are killed at
+        once instead of being asked to shut down: the close never waits on a dead or silent unit."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        tq_system.release(self._hold)
+        tq_system.release(self._hold, graceful=self._parts.failure is None)
 
     def _check_open(self) -> None:
         if self._closed:

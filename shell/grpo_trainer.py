@@ -48,7 +48,7 @@ from core.sharding import PackingSpec
 from core.step_plan import TrainResult
 from core.task import Task
 from core.topology import NamedSharding
-from adapters.store_health import HealthCheckedStore, StoreFailure, StorePart
+from adapters.store_health import HealthCheckedStore, StoreFailure, StorePart, failure_in
 from adapters.store_port import DataPlaneClient
 from shell.config_error import ConfigError
 from shell.loss import GRPOLoss
@@ -422,8 +422,9 @@ class GRPOTrainer:
         except StoreFailure as failure:
             self._fail_step(step, failure, failure)
         except Exception as error:
-            # A dead store part makes every process that waits on it fail: name the store, not what failed first.
-            self._fail_step(step, error, self.store_failure())
+            # A dead store part makes every process that waits on it fail: name the store, not what failed first
+            # (a worker's store call that found it says so; else the driver probes the store).
+            self._fail_step(step, error, failure_in(error) or self.store_failure())
         except BaseException:  # an interrupt: clean up (bounded) and let it through
             with contextlib.suppress(Exception):
                 self._abort_step()
@@ -431,7 +432,13 @@ class GRPOTrainer:
 
     def _fail_step(self, step: int, error: Exception, failure: StoreFailure | None) -> NoReturn:
         """Clear the failed step's keys (bounded by the store's deadlines), then raise: a ``StepError`` naming the
-        store part when ``failure`` says the store failed, else ``error`` itself."""
+        store part when ``failure`` says the store failed, else ``error`` itself.
+
+        A store failure that a worker found is handed to the driver's client first, so that nothing after it (the
+        clear, the sweep, closing the store) waits on the failed part."""
+        store = self._health_checked()
+        if failure is not None and failure.part is not None and store is not None:  # a timeout names no part
+            store.note_failure(failure)
         with contextlib.suppress(Exception):  # the step's own error is the one to report
             self._abort_step()
         if failure is not None:

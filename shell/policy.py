@@ -11,7 +11,10 @@ core (the verl-style dispatch / execute / collect):
    and :func:`core.step_plan.merge_train` folds the train results.
 
 Invariant: a failed call releases the step's stored rows (``transport.abort``)
-before the error reaches the caller, so no key outlives a failed step.
+before the error reaches the caller, so no key outlives a failed step; except
+when a rank's store call found a part of the store dead: the caller (the
+trainer) then tells its client of the failure and releases them, so the clear
+fails at once instead of waiting on the dead part.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from core.model_config import TinyGPTConfig
 from core.sharding import DynamicBatchingSpec, PackingSpec
 from core.step_plan import StepLayout, TrainResult, merge_train, shard_step, stamp_step
 from core.topology import NamedSharding
+from adapters.store_health import failure_in
 from shell.model_worker import ClientFactory
 from shell.policy_worker import FetchPolicy, PolicyWorker, PolicyWorkerConfig
 from shell.step_rows import StepRows
@@ -225,9 +229,13 @@ class Policy:
 
     @contextlib.contextmanager
     def _releasing_on_failure(self) -> Iterator[None]:
+        """Release the step's rows when a call fails; not when a rank's store call found a part of the store dead
+        (:func:`adapters.store_health.failure_in`): a clear would wait on that part, so the caller, who can tell
+        its own client of the failure first (:meth:`shell.grpo_trainer.GRPOTrainer.step`), releases them."""
         try:
             yield
-        except BaseException:
-            with contextlib.suppress(Exception):  # the call's own error is the one to report
-                self.transport.abort()
+        except BaseException as error:
+            if failure_in(error) is None:
+                with contextlib.suppress(Exception):  # the call's own error is the one to report
+                    self.transport.abort()
             raise

@@ -12,7 +12,11 @@ processes: it prints one JSON line (``address``, and per node its ``node_id``,
 ``head`` flag and ``raylet_pid``), then keeps the cluster until its standard
 input closes or it gets SIGTERM / SIGINT, and shuts it down. Its Ray files go to
 a private temporary folder (``RAY_TMPDIR``), so the cluster is never found by
-``ray.address=auto`` or by ``ray.init()`` elsewhere on the machine.
+``ray.address=auto`` or by ``ray.init()`` elsewhere on the machine. While it
+hosts the cluster it reaps the node processes that exit (:func:`reaping`): a
+raylet killed from outside then disappears as on a real node, where its
+workers see it gone and exit within about a second (Ray's workers check their
+raylet's pid; a dead raylet left unreaped as a zombie would keep them serving).
 
 Invariant: :func:`local_nodes` shuts down every node it started, whatever the
 body raises.
@@ -28,6 +32,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -128,6 +133,32 @@ def node_pids(cluster: Any) -> dict[str, set[int]]:
 
 
 @contextlib.contextmanager
+def reaping(cluster: Any, every_s: float = 0.2) -> Iterator[None]:
+    """Reap the cluster's node processes that exit, every ``every_s`` seconds, while the body runs.
+
+    ``ray.cluster_utils.Cluster`` starts each node's processes (its raylet among them) as children of this
+    process and waits for them only at shutdown, so one killed from outside stays a zombie: its pid still
+    exists, and Ray's workers on that node, which exit when their raylet's pid is gone, keep running. Reaping
+    gives the death that a real node has: the raylet is gone and its workers follow it.
+    """
+    stop = threading.Event()
+
+    def reap() -> None:
+        while not stop.wait(every_s):
+            for node in [cluster.head_node, *cluster.worker_nodes]:
+                with contextlib.suppress(Exception):  # a node being removed: the next round sees it settled
+                    node.live_processes()  # polls every process, so the exited ones are reaped
+
+    thread = threading.Thread(target=reap, name="reap-node-processes", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+@contextlib.contextmanager
 def local_nodes(config: NodesConfig) -> Iterator[Any]:
     """A started local cluster for the body; shut down afterwards."""
     cluster = start_cluster(config)
@@ -152,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["RAY_TMPDIR"] = folder
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        with local_nodes(config) as cluster:
+        with local_nodes(config) as cluster, reaping(cluster):
             info = {"address": cluster.address, "nodes": [attrs.asdict(n) for n in describe(cluster)]}
             print(json.dumps(info), flush=True)
             with contextlib.suppress(KeyboardInterrupt):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import select
 import signal
 import subprocess
@@ -22,11 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from shell.bench.nodes import NODE_RESOURCE
 from shell.run_log import read_metrics
 from tests.e2e.conftest import SMALL_DP2_RUN
+from tests.e2e.test_grpo_shutdown import _assert_no_orphans, _pids
 
 pytestmark = pytest.mark.e2e
 
@@ -174,18 +175,17 @@ def test_multinode_data_plane_moves_bulk_off_the_driver(runs: dict[str, Any]) ->
 
 # ---------------------------------------------------------------- losing a whole node (runs last: it kills one)
 
-NODE_LOSS_OPEN = pytest.mark.skip(
-    reason="OPEN (issue 13): with the store health checks merged, a run whose storage node's raylet is killed still "
-    "did not exit within 60 s on this machine (2026-11-23); the probes' path through a dead raylet needs work"
-)
 
-
-@NODE_LOSS_OPEN
 def test_multinode_losing_a_storage_node_fails_the_run_naming_the_store(
     runs: dict[str, Any], cluster: dict[str, Any], tmp_path: Path
 ) -> None:
     """Killing the raylet of a worker node that holds only a storage unit (the policy and the rollout are packed
-    on the head) ends a data-plane run within 30 s with exit 1 and a message naming the store's part."""
+    on the head) ends a data-plane run within 30 s with exit 1 and a message naming the store's part; no process
+    of the run (policy, rollout, TransferQueue's parts) outlives it.
+
+    The node's workers exit with their raylet, as on a real node (the cluster's host reaps the killed raylet:
+    ``shell.bench.nodes.reaping``), so the storage unit there is gone and the run's store calls that need it stall
+    until a probe finds it dead."""
     command = [
         sys.executable, "-m", "shell.run", f"ray.address={cluster['address']}", "grpo.num_steps=500",
         "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.micro_batch_tokens=64",
@@ -200,9 +200,13 @@ def test_multinode_losing_a_storage_node_fails_the_run_naming_the_store(
         while not (processes.exists() and metrics.exists() and metrics.read_text().strip()):
             assert process.poll() is None and time.monotonic() < deadline, "the run did not reach its first step"
             time.sleep(0.2)
-        nodes = json.loads(processes.read_text())["nodes"]
+        info = json.loads(processes.read_text())
+        nodes = info["nodes"]
+        ours = [psutil.Process(pid) for pid in _pids(info) if psutil.pid_exists(pid)]
         busy = {nodes["driver"], nodes["rollout"], *nodes["policy"].values()}
         target = next(n for n in cluster["nodes"] if n["node_id"] in set(nodes["storage"].values()) - busy)
+        rank = next(name.split("#")[1] for name, node in nodes["storage"].items() if node == target["node_id"])
+        lost = f"TransferQueue storage unit {rank} (pid {info['store'][f'TransferQueue storage unit {rank}']})"
         os.kill(target["raylet_pid"], signal.SIGKILL)
         killed = time.monotonic()
         output, _ = process.communicate(timeout=60)
@@ -213,4 +217,5 @@ def test_multinode_losing_a_storage_node_fails_the_run_naming_the_store(
             process.communicate()
     assert process.returncode == 1, output[-3000:]
     assert took <= 30.0, f"the run took {took:.1f} s to end after the node died"
-    assert re.search(r"(?i)storage unit|TransferQueueStorageUnit", output), output[-3000:]
+    assert f"the store failed: {lost}" in output, output[-3000:]  # the unit on the lost node, by rank and pid
+    _assert_no_orphans(ours)

@@ -15,10 +15,13 @@ import time
 import pytest
 import ray
 import torch
+from ray.exceptions import RayTaskError
 from tensordict import TensorDict
 
 from adapters.ray_memory import NAMESPACE, RayMemoryStore
-from adapters.store_health import Deadlines, HealthCheckedStore, StoreFailure, StorePart, StoreTimeout, wait_for
+from adapters.store_health import (
+    Deadlines, HealthCheckedStore, StoreFailure, StorePart, StoreTimeout, failure_in, wait_for,
+)
 from adapters.transfer_queue import TransferQueueStore
 from tests.e2e.conftest import TQ_BACKEND
 
@@ -78,6 +81,46 @@ def test_store_failure_pickles_with_its_part() -> None:
     failure = StoreTimeout("slow", part=StorePart("unit 0", 7))
     back = pickle.loads(pickle.dumps(failure))
     assert type(back) is StoreTimeout and str(back) == "slow" and back.part == StorePart("unit 0", 7)
+
+
+def _raises_store_failure() -> None:
+    raise StoreFailure("TransferQueue storage unit 1 (pid 42) died", part=StorePart("TransferQueue storage unit 1", 42))
+
+
+def test_failure_in_finds_a_workers_store_failure_through_ray_errors(ray_cluster: None) -> None:
+    """A StoreFailure raised in a Ray task comes back as Ray's task error; chained under another error (a worker
+    error) it is still found, with its own message and part; an error without one, or a timeout (no part), gives
+    None."""
+    with pytest.raises(RayTaskError) as caught:
+        ray.get(ray.remote(_raises_store_failure).remote())
+    try:
+        raise RuntimeError("rank 0 raised in 'logprobs'") from caught.value
+    except RuntimeError as error:
+        found = failure_in(error)
+    assert type(found) is StoreFailure and str(found) == "TransferQueue storage unit 1 (pid 42) died"
+    assert found.part == StorePart("TransferQueue storage unit 1", 42)
+    assert failure_in(RuntimeError("no store here")) is None and failure_in(None) is None
+    assert failure_in(StoreTimeout("slow, every part answered")) is None  # names no part
+
+
+def test_note_failure_fails_every_later_call_at_once(ray_cluster: None) -> None:
+    """A failure handed to a client (found by another process) fails its later calls at once, naming the part; the
+    store itself, and other clients of it, are untouched."""
+    owner = RayMemoryStore.start()
+    client = RayMemoryStore.attach(owner.name)
+    try:
+        part = StorePart("Ray memory store actor 'x'", 7)
+        client.note_failure(StoreFailure(f"{part} died", part=part))
+        started = time.monotonic()
+        with pytest.raises(StoreFailure, match=r"Ray memory store actor 'x' \(pid 7\) died") as caught:
+            client.list_keys("p")
+        assert time.monotonic() - started < 0.5 and caught.value.part == part
+        with pytest.raises(TypeError, match=r"'failure' must be a StoreFailure: got RuntimeError"):
+            client.note_failure(RuntimeError("x"))  # type: ignore[arg-type]
+        assert owner.list_keys("p") == ()
+    finally:
+        client.close()
+        owner.close()
 
 
 def test_transfer_queue_store_parts_are_its_controller_and_units(tq_store_session: TransferQueueStore) -> None:

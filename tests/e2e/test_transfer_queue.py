@@ -216,6 +216,31 @@ def test_put_failing_in_transfer_queue_clears_the_keys_it_registered(
     store.close()
 
 
+@pytest.mark.parametrize("failing", ["storage_manager.put_data", "async_set_custom_meta"])
+def test_put_of_new_keys_failing_in_either_half_leaves_no_key(
+    tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """A put of new keys sends its columns and its tags at once: whichever fails, the put raises it and registers
+    nothing, and the next put of the same keys stores them whole."""
+    store = TransferQueueStore.attach()
+    client = tq.get_client()
+    owner = client.storage_manager if failing.startswith("storage_manager.") else client
+
+    async def fails(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError(f"{failing} went away")
+
+    monkeypatch.setattr(owner, failing.rsplit(".", 1)[-1], fails)
+    batch = TensorDict({"x": torch.tensor([1, 2])}, batch_size=[2])
+    with pytest.raises(ConnectionError, match=rf"{failing} went away"):
+        store.put(["n1", "n2"], partition, batch)
+    monkeypatch.undo()
+    assert store.list_keys(partition) == ()
+    store.put(["n1", "n2"], partition, batch)
+    assert store.get(["n2", "n1"], partition, ["x"])["x"].tolist() == [2, 1]
+    store.clear(["n1", "n2"], partition)
+    store.close()
+
+
 def test_put_rewrite_with_another_dtype_stays_readable(tq_store_session: TransferQueueStore, partition: str) -> None:
     """TQ allows one dtype per field and partition; through the adapter a field may change dtype per key."""
     store = TransferQueueStore.attach()
