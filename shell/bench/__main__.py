@@ -75,13 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     r3.add_argument("--seeds", type=int, default=3, help="paired repeats, one seed each (default 3)")
     r3.add_argument("--steps", type=int, default=100, help="steps per cost run (default 100)")
-    r3.add_argument("--batches", type=int, default=4, help="generation batches per seed in the mismatch table (default 4)")
+    r3.add_argument("--batches", type=int, default=4, help="generation batches per seed and model in the mismatch table (default 4)")
+    r3.add_argument(
+        "--mismatch-override", action="append", default=[], metavar="policy.model.KEY=VALUE",
+        help="a setting of the mismatch table's second, routing-heavy model over its defaults (64 experts, top-8, "
+        "4 layers; the rest as the run model; initial weights only); repeat for more",
+    )
     r3.add_argument("--bytes-steps", type=int, default=5, help="steps of each routing-bytes run (default 5)")
     r3.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
     r3.add_argument("--runs-dir", default=None, help="where the runs go (default runs/r3-<timestamp>)")
     r3.add_argument("--reuse", action="store_true", help="read the runs in --runs-dir instead of running them")
     r3.add_argument("--plot", default=None, help="the PNG (default RUNS_DIR/r3_reward.png; the docs' is docs/img/r3_reward.png)")
-    r3.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides (default: 8 experts, top-2, bf16 rollout, memory store)")
+    r3.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides, for the runs and both mismatch models (default: 8 experts, top-2, bf16 rollout, memory store)")
     r3.set_defaults(markdown=True)
     scale = sub.add_parser(
         "scale", help="both paths across Ray nodes (bytes per node per step) and over growing batches (row sweep, DP=2)"
@@ -180,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             rcfg = R3BenchConfig(
                 seeds=args.seeds, steps=args.steps, batches=args.batches, bytes_steps=args.bytes_steps,
                 first_seed=args.first_seed, reuse=args.reuse, plot=args.plot, overrides=tuple(args.overrides),
+                mismatch_overrides=tuple(args.mismatch_override),
                 runs_dir=args.runs_dir or f"runs/r3-{time.strftime('%Y%m%d-%H%M%S')}",
             )
         except ValueError as error:

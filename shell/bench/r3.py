@@ -6,16 +6,26 @@ from ``shell/grpo.yaml``) whose rollout runs in ``rollout.precision=bf16`` while
 the trainer runs fp32, on the data plane with ``data_plane.backend=memory``
 (each overridable). Four measurements:
 
-1. **Mismatch** (same batches, replay off vs on): in one fresh worker process
-   per seed, a backend built from the seed generates ``batches`` batches of
-   the task's prompts at the rollout precision, recording each token's
-   experts; the fp32 trainer forward then scores the same sequences without
-   replay and with replay of the recorded routing. For each, the routing
-   disagreement with the rollout (:func:`core.routing.routing_disagreement`)
-   and the training-inference mismatch of the sampled tokens' log-probs
+1. **Mismatch** (same batches, replay off vs on), on two models: the run
+   model above, and a routing-heavy *mismatch model* (``MISMATCH_DEFAULTS``:
+   64 experts, top-8, 4 layers, a fine-grained expert ratio like OLMoE's,
+   unless ``mismatch_overrides`` set them; its other settings are the run
+   model's, so its prompts and batches are the same). The run model is too
+   small for routing to be much of the gap, and the mismatch model too slow
+   to train in this bench's budget, so only the run model trains. In one fresh
+   worker process per seed and model, a backend built from the seed generates
+   ``batches`` batches of the task's prompts at the rollout precision,
+   recording each token's experts; the fp32 trainer forward then scores the
+   same sequences without replay and with replay of the recorded routing. For
+   each, the routing disagreement with the rollout
+   (:func:`core.routing.routing_disagreement`) and the training-inference
+   mismatch of the sampled tokens' log-probs
    (:func:`core.routing.logprob_mismatch`, over response tokens), pooled over
-   every batch: at the initial weights and at the weights the ``off`` run of
-   that seed ended with (its ``checkpoint.pt``).
+   every batch: for the run model at the initial weights and at the weights
+   the ``off`` run of that seed ended with (its ``checkpoint.pt``), for the
+   mismatch model at its initial weights only (no run trains it). The goal
+   line says, from the numbers, which (model, weights) rows have an r3 / off
+   mean absolute log-prob gap of at most ``GOAL_RATIO`` (:func:`goal_line`).
 2. **Cost**: paired ``python -m shell.run`` runs, ``policy.router_replay=off``
    vs ``r3``, in fresh processes, the order rotated from seed to seed; the
    step time ratio r3 / off of each seed (mean ``step_time_s``) is one paired
@@ -71,6 +81,18 @@ DEFAULTS = (
     ("data_plane.backend", "memory"),
 )
 """The bench's setting, each applied unless ``overrides`` set that key."""
+MISMATCH_DEFAULTS = (
+    ("policy.model.num_experts", "64"),
+    ("policy.model.moe_topk", "8"),
+    ("policy.model.num_layers", "4"),
+)
+"""The mismatch model over the run model, each applied unless ``mismatch_overrides`` set that key."""
+MISMATCH_PREFIX = "policy.model."
+"""The only keys ``mismatch_overrides`` may set: the model alone, so both models see the same prompts and batches."""
+MODELS = ("run", "mismatch")
+"""The models of the mismatch table: the cost runs' model, and the routing-heavy mismatch model."""
+GOAL_RATIO = 0.5
+"""The issue's goal: r3's mean absolute log-prob gap at most this share of off's."""
 BENCH_KEYS = (*RUN_KEYS, "policy.router_replay", "data_plane.enabled")
 """Keys the bench sets itself; ``overrides`` may not."""
 VARIANTS: dict[str, tuple[str, ...]] = {"off": ("policy.router_replay=off",), "r3": ("policy.router_replay=r3",)}
@@ -99,7 +121,9 @@ class R3BenchConfig:
         first_seed: the first seed (>= 0).
         plot: the PNG (default ``runs_dir/r3_reward.png``).
         reuse: read the runs in ``runs_dir`` instead of running them (the mismatch is measured again).
-        overrides: extra config overrides for every run and for the mismatch measurement.
+        overrides: extra config overrides for every run and for both models of the mismatch measurement.
+        mismatch_overrides: ``policy.model.*`` overrides of the mismatch model over ``MISMATCH_DEFAULTS`` (it must
+            stay MoE, with ``moe_topk`` in ``[1, num_experts]``).
     """
 
     seeds: int
@@ -111,6 +135,7 @@ class R3BenchConfig:
     plot: Path | None = attrs.field(converter=attrs.converters.optional(absolute_path), default=None)
     reuse: bool = False
     overrides: tuple[str, ...] = attrs.field(converter=tuple, default=())
+    mismatch_overrides: tuple[str, ...] = attrs.field(converter=tuple, default=())
 
     def __attrs_post_init__(self) -> None:
         check_run_bench(
@@ -120,11 +145,17 @@ class R3BenchConfig:
             raise ValueError(f"'batches' must be >= 1: got {self.batches}")
         if not 1 <= self.bytes_steps <= self.steps:
             raise ValueError(f"'bytes_steps' must be in [1, steps ({self.steps})]: got {self.bytes_steps}")
-        experts = self.setting.get("policy.model.num_experts", "")
-        if not experts.strip().isdigit() or int(experts) < 2:
+        check_moe(self.setting, "overrides")
+        malformed = [o for o in self.mismatch_overrides if "=" not in o]
+        if malformed:
+            raise ValueError(f"'mismatch_overrides' must be key=value items: got {malformed}")
+        foreign = [o for o in self.mismatch_overrides if not o.startswith(MISMATCH_PREFIX)]
+        if foreign:
             raise ValueError(
-                f"'overrides' must keep an MoE model (policy.model.num_experts >= 2; router replay needs one): got {experts!r}"
+                f"'mismatch_overrides' must set {MISMATCH_PREFIX}* keys only (the mismatch model sees the run "
+                f"model's prompts and batches): got {foreign}"
             )
+        check_moe(self.mismatch_setting, "mismatch_overrides")
 
     @property
     def setting(self) -> dict[str, str]:
@@ -137,12 +168,73 @@ class R3BenchConfig:
         return (*unset_defaults([f"{k}={v}" for k, v in DEFAULTS], self.overrides), *self.overrides)
 
     @property
+    def mismatch_setting(self) -> dict[str, str]:
+        """Key -> value of the mismatch model: ``setting``, then ``MISMATCH_DEFAULTS``, then ``mismatch_overrides``."""
+        return {**self.setting, **dict(MISMATCH_DEFAULTS), **dict(o.split("=", 1) for o in self.mismatch_overrides)}
+
+    @property
+    def mismatch_model_overrides(self) -> tuple[str, ...]:
+        """The mismatch model's config overrides: ``base_overrides``, then the ``MISMATCH_DEFAULTS``
+        ``mismatch_overrides`` leave unset, then ``mismatch_overrides`` (later items win)."""
+        own = unset_defaults([f"{k}={v}" for k, v in MISMATCH_DEFAULTS], self.mismatch_overrides)
+        return (*self.base_overrides, *own, *self.mismatch_overrides)
+
+    @property
+    def model_overrides(self) -> dict[str, tuple[str, ...]]:
+        """Model of the mismatch table (``MODELS``) -> its config overrides."""
+        return {"run": self.base_overrides, "mismatch": self.mismatch_model_overrides}
+
+    @property
     def seed_list(self) -> list[int]:
         """The seeds, ``first_seed ..``."""
         return list(range(self.first_seed, self.first_seed + self.seeds))
 
 
 # ---------------------------------------------------------------- pure parts
+
+
+def check_moe(setting: Mapping[str, str], field: str) -> None:
+    """Check that ``setting`` (key -> value) is an MoE model router replay can run on.
+
+    Raises:
+        ValueError: ``policy.model.num_experts`` is not an integer >= 2, or ``policy.model.moe_topk`` (when set)
+            is not an integer in ``[1, num_experts]``; the message names ``field``.
+    """
+    experts = setting.get("policy.model.num_experts", "")
+    if not experts.strip().isdigit() or int(experts) < 2:
+        raise ValueError(
+            f"'{field}' must keep an MoE model (policy.model.num_experts >= 2; router replay needs one): got {experts!r}"
+        )
+    topk = setting.get("policy.model.moe_topk")
+    if topk is not None and (not topk.strip().isdigit() or not 1 <= int(topk) <= int(experts)):
+        raise ValueError(f"'{field}' must keep policy.model.moe_topk in [1, num_experts ({int(experts)})]: got {topk!r}")
+
+
+def model_label(role: str, num_experts: int, topk: int, num_layers: int) -> str:
+    """How the mismatch table names a model, e.g. ``"run: 8 experts top-2, 2 layers"``."""
+    return f"{role}: {num_experts} experts top-{topk}, {num_layers} layer{'' if num_layers == 1 else 's'}"
+
+
+def goal_line(ratios: Mapping[str, float], bound: float = GOAL_RATIO) -> str:
+    """Which rows meet ``r3 / off <= bound`` and which do not, from their ratios (row name -> ratio).
+
+    A ``nan`` ratio (no mismatch either way) does not meet it. Rows keep their order.
+
+    Raises:
+        ValueError: no rows.
+
+    Example:
+        >>> goal_line({"a": 0.3, "b": 0.7})
+        'goal r3 / off <= 0.5 (mean |log p_train - log p_rollout|): met by a (0.300); not met by b (0.700)'
+    """
+    if not ratios:
+        raise ValueError("'ratios' must hold at least one row: got 0")
+    met = [f"{name} ({value:.3f})" for name, value in ratios.items() if value <= bound]
+    missed = [f"{name} ({value:.3f})" for name, value in ratios.items() if not value <= bound]
+    return (
+        f"goal r3 / off <= {bound:g} (mean |log p_train - log p_rollout|): "
+        f"met by {', '.join(met) or 'none'}; not met by {', '.join(missed) or 'none'}"
+    )
 
 
 def check_records(records: Records, steps: int, where: str) -> list[Mapping[str, Any]]:
@@ -397,7 +489,8 @@ def run(cfg: R3BenchConfig, report: Report) -> dict[str, Any]:
     """Run (or read) every run, measure the mismatch, report the tables, write the PNG.
 
     Returns:
-        ``{"runs": variant -> seed -> records, "bytes": (path, variant) -> records, "mismatch": seed -> Measured}``.
+        ``{"runs": variant -> seed -> records, "bytes": (path, variant) -> records,
+        "mismatch": model (``MODELS``) -> seed -> Measured}``.
 
     Raises:
         FileExistsError: a run folder exists and ``reuse`` is off.
@@ -419,9 +512,16 @@ def run(cfg: R3BenchConfig, report: Report) -> dict[str, Any]:
             raise FileExistsError(f"'runs_dir' must not hold the runs yet (pass --reuse to read them): found {existing[:3]}")
     config = load_run_config(cfg.base_overrides)
     model = model_config(config, build_task(config))
+    mismatch_config = load_run_config(cfg.mismatch_model_overrides)
+    labels = {
+        role: model_label(role, m.num_experts, m.moe_topk, m.num_layers)
+        for role, m in (("run", model), ("mismatch", model_config(mismatch_config, build_task(mismatch_config))))
+    }
     cfg.runs_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    report.start(total=len(folders) + len(byte_folders) + len(seeds), description=f"R3 bench ({cfg.steps}-step runs)")
+    report.start(
+        total=len(folders) + len(byte_folders) + len(MODELS) * len(seeds), description=f"R3 bench ({cfg.steps}-step runs)"
+    )
     records: dict[str, dict[int, list[Mapping[str, Any]]]] = {n: {} for n in names}
     for index, seed in enumerate(seeds):
         for name in _order(names, index):
@@ -437,13 +537,13 @@ def run(cfg: R3BenchConfig, report: Report) -> dict[str, Any]:
         byte_records[path, name] = check_records(read_metrics(folder / "metrics.jsonl"), cfg.bytes_steps, str(folder))
         report.advance()
     runs_s = time.perf_counter() - started
-    mismatch: dict[int, Measured] = {}
+    mismatch: dict[str, dict[int, Measured]] = {role: {} for role in MODELS}
     for seed in seeds:
-        mismatch[seed] = measure_mismatch(
-            cfg.base_overrides, seed, cfg.batches, checkpoint=folders["off", seed] / "checkpoint.pt"
-        )
-        report.advance()
-    _mismatch_table(cfg, config, mismatch, report)
+        for role, overrides in cfg.model_overrides.items():
+            trained = folders["off", seed] / "checkpoint.pt" if role == "run" else None  # no run trains the other
+            mismatch[role][seed] = measure_mismatch(overrides, seed, cfg.batches, checkpoint=trained)
+            report.advance()
+    _mismatch_table(cfg, config, labels, mismatch, report)
     _cost_table(cfg, records, report, runs_s)
     _bytes_table(cfg, model, records, byte_records, report)
     plot = cfg.plot or cfg.runs_dir / "r3_reward.png"
@@ -461,40 +561,54 @@ def run(cfg: R3BenchConfig, report: Report) -> dict[str, Any]:
 # ---------------------------------------------------------------- tables
 
 
-def _mismatch_table(cfg: R3BenchConfig, config: Any, mismatch: Mapping[int, Measured], report: Report) -> None:
-    seeds = list(mismatch)
+def _mismatch_table(cfg: R3BenchConfig, config: Any, labels: Mapping[str, str],
+                    mismatch: Mapping[str, Mapping[int, Measured]], report: Report) -> None:
     rows = []
-    for weights in WEIGHTS:
-        pooled = {
-            name: (
-                pool_disagreement([mismatch[s][weights, name][0] for s in seeds]),
-                pool_mismatch([mismatch[s][weights, name][1] for s in seeds]),
-            )
-            for name in VARIANTS
-        }
-        for name, (routing, logprobs) in pooled.items():
+    goal: dict[str, float] = {}
+    for role in MODELS:
+        seeds = list(mismatch[role])
+        for weights in (w for w in WEIGHTS if (w, "off") in mismatch[role][seeds[0]]):
+            pooled = {
+                name: (
+                    pool_disagreement([mismatch[role][s][weights, name][0] for s in seeds]),
+                    pool_mismatch([mismatch[role][s][weights, name][1] for s in seeds]),
+                )
+                for name in VARIANTS
+            }
+            for name, (routing, logprobs) in pooled.items():
+                rows.append([
+                    labels[role], weights, name, f"{routing.tokens:,}", f"{routing.token_share:.4%}",
+                    f"{routing.decision_share:.4%}", f"{logprobs.tokens:,}", f"{logprobs.mean_abs_diff:.3e}",
+                    f"{logprobs.k3_kl:.3e}",
+                ])
+            per_seed = [
+                ratio(mismatch[role][s][weights, "r3"][1].mean_abs_diff, mismatch[role][s][weights, "off"][1].mean_abs_diff)
+                for s in seeds
+            ]
+            pooled_ratio = ratio(pooled["r3"][1].mean_abs_diff, pooled["off"][1].mean_abs_diff)
+            k3_ratio = ratio(pooled["r3"][1].k3_kl, pooled["off"][1].k3_kl)
             rows.append([
-                weights, name, f"{routing.tokens:,}", f"{routing.token_share:.4%}", f"{routing.decision_share:.4%}",
-                f"{logprobs.tokens:,}", f"{logprobs.mean_abs_diff:.3e}", f"{logprobs.k3_kl:.3e}",
+                labels[role], weights, "r3 / off", "", "", "", "",
+                f"{pooled_ratio:.3f} (per seed {min(per_seed):.3f}-{max(per_seed):.3f})", f"{k3_ratio:.3f}",
             ])
-        per_seed = [
-            ratio(mismatch[s][weights, "r3"][1].mean_abs_diff, mismatch[s][weights, "off"][1].mean_abs_diff) for s in seeds
-        ]
-        pooled_ratio = ratio(pooled["r3"][1].mean_abs_diff, pooled["off"][1].mean_abs_diff)
-        k3_ratio = ratio(pooled["r3"][1].k3_kl, pooled["off"][1].k3_kl)
-        rows.append([
-            weights, "r3 / off", "", "", "", "",
-            f"{pooled_ratio:.3f} (per seed {min(per_seed):.3f}-{max(per_seed):.3f})", f"{k3_ratio:.3f}",
-        ])
+            goal[f"{labels[role]}, {weights}"] = pooled_ratio
     g = config.grpo
+    seeds = cfg.seed_list
     report.table(
         f"Routing disagreement and training-inference mismatch, same batches, replay off vs r3: "
-        f"{' '.join(cfg.base_overrides)}; {cfg.batches} batches x {g.num_prompts_per_step} prompts x "
-        f"{g.num_generations_per_prompt} per seed, seeds {seeds[0]}..{seeds[-1]} pooled; trained = the off run's "
-        f"weights after {cfg.steps} steps (goal: r3 disagreement 0, r3 mismatch <= 0.5 x off)",
-        ["weights", "trainer routing", "real tokens", "tokens routed differently (>= 1 layer)",
+        f"{' '.join(cfg.base_overrides)}; mismatch model {' '.join(cfg.mismatch_model_overrides[len(cfg.base_overrides):])}; "
+        f"{cfg.batches} batches x {g.num_prompts_per_step} prompts x {g.num_generations_per_prompt} per seed and model, "
+        f"seeds {seeds[0]}..{seeds[-1]} pooled; trained = the run model's off run's weights after {cfg.steps} steps "
+        f"(the mismatch model is measured at its initial weights only: no run trains it); "
+        f"goal: r3 disagreement 0, r3 / off <= {GOAL_RATIO:g} (see the goal table)",
+        ["model", "weights", "trainer routing", "real tokens", "tokens routed differently (>= 1 layer)",
          "router decisions differing", "response tokens", "mean |log p_train - log p_rollout|", "k3 KL(rollout || train)"],
         rows,
+    )
+    report.table(
+        f"Mismatch goal: {goal_line(goal)}",
+        ["model, weights", "r3 / off (pooled mean |log p_train - log p_rollout|)", f"meets r3 / off <= {GOAL_RATIO:g}"],
+        [[name, f"{value:.3f}", "yes" if value <= GOAL_RATIO else "no"] for name, value in goal.items()],
     )
 
 

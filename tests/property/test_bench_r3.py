@@ -17,10 +17,15 @@ from hypothesis import strategies as st
 
 from core.routing import LogprobMismatch, logprob_mismatch, routing_bytes, routing_disagreement
 from shell.bench.r3 import (
+    GOAL_RATIO,
     LAST,
+    MISMATCH_DEFAULTS,
     R3BenchConfig,
     await_result,
+    check_moe,
     check_records,
+    goal_line,
+    model_label,
     mean_step_time,
     paired_ratios,
     pool_disagreement,
@@ -163,6 +168,88 @@ def test_r3_bench_config_applies_defaults_unless_overridden(tmp_path: Path) -> N
     assert own.base_overrides == (
         "policy.model.moe_topk=2", "rollout.precision=bf16", "data_plane.backend=transfer_queue", "policy.model.num_experts=4",
     )
+
+
+def test_r3_bench_config_rejects_bad_mismatch_overrides(tmp_path: Path) -> None:
+    """The mismatch model's overrides must be key=value items of policy.model.* keys, and keep an MoE model with
+    moe_topk in [1, num_experts]; each refusal names the field."""
+    for mismatch, pattern in (
+        (("policy.model.num_layers",), r"'mismatch_overrides' must be key=value items: got \['policy.model.num_layers'\]"),
+        (("grpo.num_prompts_per_step=4",), r"'mismatch_overrides' must set policy\.model\.\* keys only .*got \['grpo"),
+        (("rollout.precision=fp32",), r"'mismatch_overrides' must set policy\.model\.\* keys only"),
+        (("policy.model.num_experts=0",), r"'mismatch_overrides' must keep an MoE model .*: got '0'"),
+        (("policy.model.num_experts=1",), r"'mismatch_overrides' must keep an MoE model .*: got '1'"),
+        (("policy.model.num_experts=many",), r"'mismatch_overrides' must keep an MoE model .*: got 'many'"),
+        (("policy.model.num_experts=4",), r"'mismatch_overrides' must keep policy.model.moe_topk in \[1, num_experts \(4\)\]: got '8'"),
+        (("policy.model.moe_topk=0",), r"'mismatch_overrides' must keep policy.model.moe_topk in \[1, num_experts \(64\)\]: got '0'"),
+    ):
+        with pytest.raises(ValueError, match=pattern):
+            R3BenchConfig(seeds=1, steps=LAST, runs_dir=str(tmp_path), mismatch_overrides=mismatch)
+    with pytest.raises(ValueError, match=r"'overrides' must keep policy.model.moe_topk in \[1, num_experts \(8\)\]: got '9'"):
+        R3BenchConfig(seeds=1, steps=LAST, runs_dir=str(tmp_path), overrides=("policy.model.moe_topk=9",))
+
+
+def test_r3_bench_config_mismatch_model_is_the_run_model_with_its_own_model_settings(tmp_path: Path) -> None:
+    """By default the mismatch model is the run model's overrides then 64 experts, top-8, 4 layers; its own overrides
+    replace those keys, and the run model's other overrides reach it too."""
+    cfg = R3BenchConfig(seeds=1, steps=LAST, runs_dir=str(tmp_path), overrides=("grpo.num_prompts_per_step=4",))
+    defaults = tuple(f"{k}={v}" for k, v in MISMATCH_DEFAULTS)
+    assert defaults == ("policy.model.num_experts=64", "policy.model.moe_topk=8", "policy.model.num_layers=4")
+    assert cfg.model_overrides == {"run": cfg.base_overrides, "mismatch": (*cfg.base_overrides, *defaults)}
+    own = R3BenchConfig(
+        seeds=1, steps=LAST, runs_dir=str(tmp_path), mismatch_overrides=("policy.model.num_layers=6", "policy.model.moe_topk=4")
+    )
+    assert own.mismatch_model_overrides == (
+        *own.base_overrides, "policy.model.num_experts=64", "policy.model.num_layers=6", "policy.model.moe_topk=4",
+    )
+    assert own.mismatch_setting["policy.model.num_layers"] == "6"
+    assert own.mismatch_setting["rollout.precision"] == "bf16"
+
+
+@given(st.integers(2, 300))
+def test_check_moe_accepts_exactly_topk_in_one_to_experts(experts: int) -> None:
+    """An MoE setting passes exactly when moe_topk (if set) is in [1, num_experts]."""
+    for topk in ("1", str(experts), str(experts + 1), "0", None):
+        setting = {"policy.model.num_experts": str(experts), **({} if topk is None else {"policy.model.moe_topk": topk})}
+        if topk is None or 1 <= int(topk) <= experts:
+            check_moe(setting, "f")
+        else:
+            with pytest.raises(ValueError, match="'f' must keep policy.model.moe_topk"):
+                check_moe(setting, "f")
+    with pytest.raises(ValueError, match="'f' must keep an MoE model"):
+        check_moe({}, "f")
+
+
+def test_model_label_names_the_role_and_sizes() -> None:
+    """The table's model column: role, experts, top-k and layers."""
+    assert model_label("run", 8, 2, 2) == "run: 8 experts top-2, 2 layers"
+    assert model_label("mismatch", 64, 8, 1) == "mismatch: 64 experts top-8, 1 layer"
+
+
+@given(st.dictionaries(st.text("abcxyz ,", min_size=1, max_size=6),
+                       st.one_of(st.floats(0.0, 3.0), st.just(GOAL_RATIO), st.just(math.nan), st.just(math.inf)),
+                       min_size=1, max_size=5))
+def test_goal_line_puts_each_row_on_the_side_its_ratio_gives(ratios: dict) -> None:
+    """Every row is listed once, under "met by" exactly when its ratio is <= the bound (nan never), in row order."""
+    line = goal_line(ratios)
+    head, rest = line.split(": met by ", 1)
+    met, missed = rest.split("; not met by ", 1)
+    assert head == f"goal r3 / off <= {GOAL_RATIO:g} (mean |log p_train - log p_rollout|)"
+    expected_met = [f"{n} ({v:.3f})" for n, v in ratios.items() if v <= GOAL_RATIO]
+    expected_missed = [f"{n} ({v:.3f})" for n, v in ratios.items() if not v <= GOAL_RATIO]
+    assert met == (", ".join(expected_met) or "none")
+    assert missed == (", ".join(expected_missed) or "none")
+
+
+def test_goal_line_examples_and_empty() -> None:
+    """A met and a missed row, a nan row, and no rows."""
+    assert goal_line({"run, initial": 0.701, "mismatch, initial": 0.299}) == (
+        "goal r3 / off <= 0.5 (mean |log p_train - log p_rollout|): met by mismatch, initial (0.299); "
+        "not met by run, initial (0.701)"
+    )
+    assert goal_line({"a": math.nan}, bound=1.0).endswith("met by none; not met by a (nan)")
+    with pytest.raises(ValueError, match="'ratios' must hold at least one row: got 0"):
+        goal_line({})
 
 
 class _Worker:
