@@ -224,8 +224,8 @@ def goal_line(ratios: Mapping[str, float], bound: float = GOAL_RATIO) -> str:
         ValueError: no rows.
 
     Example:
-        >>> goal_line({"a": 0.3, "b": 0.7})
-        'goal r3 / off <= 0.5 (mean |log p_train - log p_rollout|): met by a (0.300); not met by b (0.700)'
+        >>> goal_line({"the run model at initial weights": 0.7, "the mismatch model at initial weights": 0.3})
+        'goal r3 / off <= 0.5 (mean |log p_train - log p_rollout|): met by the mismatch model at initial weights (0.300); not met by the run model at initial weights (0.700)'
     """
     if not ratios:
         raise ValueError("'ratios' must hold at least one row: got 0")
@@ -233,7 +233,7 @@ def goal_line(ratios: Mapping[str, float], bound: float = GOAL_RATIO) -> str:
     missed = [f"{name} ({value:.3f})" for name, value in ratios.items() if not value <= bound]
     return (
         f"goal r3 / off <= {bound:g} (mean |log p_train - log p_rollout|): "
-        f"met by {', '.join(met) or 'none'}; not met by {', '.join(missed) or 'none'}"
+        f"met by {' and '.join(met) or 'none'}; not met by {' and '.join(missed) or 'none'}"
     )
 
 
@@ -564,7 +564,7 @@ def run(cfg: R3BenchConfig, report: Report) -> dict[str, Any]:
 def _mismatch_table(cfg: R3BenchConfig, config: Any, labels: Mapping[str, str],
                     mismatch: Mapping[str, Mapping[int, Measured]], report: Report) -> None:
     rows = []
-    goal: dict[str, float] = {}
+    goal: dict[tuple[str, str], float] = {}
     for role in MODELS:
         seeds = list(mismatch[role])
         for weights in (w for w in WEIGHTS if (w, "off") in mismatch[role][seeds[0]]):
@@ -591,7 +591,7 @@ def _mismatch_table(cfg: R3BenchConfig, config: Any, labels: Mapping[str, str],
                 labels[role], weights, "r3 / off", "", "", "", "",
                 f"{pooled_ratio:.3f} (per seed {min(per_seed):.3f}-{max(per_seed):.3f})", f"{k3_ratio:.3f}",
             ])
-            goal[f"{labels[role]}, {weights}"] = pooled_ratio
+            goal[role, weights] = pooled_ratio
     g = config.grpo
     seeds = cfg.seed_list
     report.table(
@@ -606,9 +606,9 @@ def _mismatch_table(cfg: R3BenchConfig, config: Any, labels: Mapping[str, str],
         rows,
     )
     report.table(
-        f"Mismatch goal: {goal_line(goal)}",
-        ["model, weights", "r3 / off (pooled mean |log p_train - log p_rollout|)", f"meets r3 / off <= {GOAL_RATIO:g}"],
-        [[name, f"{value:.3f}", "yes" if value <= GOAL_RATIO else "no"] for name, value in goal.items()],
+        f"Mismatch {goal_line({f'the {role} model at {weights} weights': v for (role, weights), v in goal.items()})}",
+        ["model", "weights", "r3 / off (pooled mean absolute log-prob gap)", f"meets r3 / off <= {GOAL_RATIO:g}"],
+        [[labels[role], weights, f"{v:.3f}", "yes" if v <= GOAL_RATIO else "no"] for (role, weights), v in goal.items()],
     )
 
 

@@ -226,7 +226,7 @@ def test_model_label_names_the_role_and_sizes() -> None:
     assert model_label("mismatch", 64, 8, 1) == "mismatch: 64 experts top-8, 1 layer"
 
 
-@given(st.dictionaries(st.text("abcxyz ,", min_size=1, max_size=6),
+@given(st.dictionaries(st.text("abcxyz ,:", min_size=1, max_size=6),
                        st.one_of(st.floats(0.0, 3.0), st.just(GOAL_RATIO), st.just(math.nan), st.just(math.inf)),
                        min_size=1, max_size=5))
 def test_goal_line_puts_each_row_on_the_side_its_ratio_gives(ratios: dict) -> None:
@@ -237,15 +237,15 @@ def test_goal_line_puts_each_row_on_the_side_its_ratio_gives(ratios: dict) -> No
     assert head == f"goal r3 / off <= {GOAL_RATIO:g} (mean |log p_train - log p_rollout|)"
     expected_met = [f"{n} ({v:.3f})" for n, v in ratios.items() if v <= GOAL_RATIO]
     expected_missed = [f"{n} ({v:.3f})" for n, v in ratios.items() if not v <= GOAL_RATIO]
-    assert met == (", ".join(expected_met) or "none")
-    assert missed == (", ".join(expected_missed) or "none")
+    assert met == (" and ".join(expected_met) or "none")
+    assert missed == (" and ".join(expected_missed) or "none")
 
 
 def test_goal_line_examples_and_empty() -> None:
     """A met and a missed row, a nan row, and no rows."""
-    assert goal_line({"run, initial": 0.701, "mismatch, initial": 0.299}) == (
+    assert goal_line({"run, initial": 0.701, "run, trained": 1.0, "mismatch, initial": 0.299}) == (
         "goal r3 / off <= 0.5 (mean |log p_train - log p_rollout|): met by mismatch, initial (0.299); "
-        "not met by run, initial (0.701)"
+        "not met by run, initial (0.701) and run, trained (1.000)"
     )
     assert goal_line({"a": math.nan}, bound=1.0).endswith("met by none; not met by a (nan)")
     with pytest.raises(ValueError, match="'ratios' must hold at least one row: got 0"):
