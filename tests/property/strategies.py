@@ -1138,3 +1138,21 @@ def bench_step_records(draw: st.DrawFn, *, min_steps: int = 1, max_steps: int = 
             "sequence_tokens_mean": draw(st.integers(rows, 30 * rows)) / rows,
         })
     return records
+
+
+# ---------------------------------------------------------------- bitwise comparison (shared by the codec and dtype laws)
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of ``t`` (so -0.0 != 0.0 and NaN payloads count, complex included)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits; jagged: same row lengths and row bits."""
+    if a.dtype != b.dtype:
+        return False
+    if a.is_nested or b.is_nested:
+        rows_a, rows_b = a.unbind(0), b.unbind(0)
+        return len(rows_a) == len(rows_b) and all(same_bits(x, y) for x, y in zip(rows_a, rows_b))
+    return a.shape == b.shape and torch.equal(raw_bytes(a), raw_bytes(b))

@@ -26,15 +26,8 @@ from tests.property.strategies import (
     padded_batches,
     random_tensor,
     routing_cases,
+    same_bits,
 )
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of ``t`` (so -0.0 != 0.0 and NaN payloads count, complex included)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
 
 
 def _rows(jagged: torch.Tensor) -> list[torch.Tensor]:
@@ -79,8 +72,8 @@ def test_to_jagged_matches_loop_reference(batch: tuple[torch.Tensor, list[int]])
     rows = _rows(jagged)
     assert len(rows) == len(lengths)
     for i, (row, length) in enumerate(zip(rows, lengths)):
-        assert _same(row, padded[i, :length])
-    assert _same(padded, before)
+        assert same_bits(row, padded[i, :length])
+    assert same_bits(padded, before)
 
 
 @given(padded_batches())
@@ -90,8 +83,8 @@ def test_to_jagged_accepts_lengths_tensor(batch: tuple[torch.Tensor, list[int]])
     padded, lengths = batch
     from_list = to_jagged(padded, lengths)
     from_tensor = to_jagged(padded, torch.tensor(lengths, dtype=torch.int32))
-    assert _same(from_list.values(), from_tensor.values())
-    assert _same(from_list.offsets(), from_tensor.offsets())
+    assert same_bits(from_list.values(), from_tensor.values())
+    assert same_bits(from_list.offsets(), from_tensor.offsets())
 
 
 def test_to_jagged_copies_values() -> None:
@@ -110,7 +103,7 @@ def test_to_jagged_handles_no_rows_and_empty_rows(dtype: torch.dtype) -> None:
         jagged = to_jagged(padded, lengths)
         assert jagged.shape[0] == shape[0] and jagged_lengths(jagged) == tuple(lengths)
         back = to_padded(jagged, pad_to_length=shape[1])
-        assert _same(back, torch.zeros(shape, dtype=dtype))
+        assert same_bits(back, torch.zeros(shape, dtype=dtype))
 
 
 def test_to_jagged_rejects_bad_input() -> None:
@@ -152,7 +145,7 @@ def test_to_padded_matches_loop_reference(jagged: torch.Tensor, multiple: int, d
     longest = max((r.shape[0] for r in rows), default=0)
     width = -(-longest // multiple) * multiple
     out = to_padded(jagged, pad_value=pad, pad_to_multiple=multiple)
-    assert _same(out, _loop_padded(rows, width, pad, tuple(jagged.values().shape[1:]), jagged.dtype))
+    assert same_bits(out, _loop_padded(rows, width, pad, tuple(jagged.values().shape[1:]), jagged.dtype))
 
 
 @given(padded_batches(), st.data())
@@ -164,7 +157,7 @@ def test_to_padded_inverts_to_jagged(batch: tuple[torch.Tensor, list[int]], data
     out = to_padded(to_jagged(padded, lengths), pad_value=pad, pad_to_length=padded.shape[1])
     mask = _valid_mask(lengths, padded.shape[1]).reshape(*padded.shape[:2], *[1] * (padded.dim() - 2))
     expected = torch.where(mask, padded, torch.full_like(padded, pad))
-    assert _same(out, expected)
+    assert same_bits(out, expected)
 
 
 @given(jagged_batches(), st.integers(1, 4))
@@ -174,7 +167,7 @@ def test_to_jagged_inverts_to_padded(jagged: torch.Tensor, multiple: int) -> Non
     back = to_jagged(to_padded(jagged, pad_to_multiple=multiple), jagged_lengths(jagged))
     rows, back_rows = _rows(jagged), _rows(back)
     assert len(rows) == len(back_rows)
-    assert all(_same(a, b) for a, b in zip(rows, back_rows))
+    assert all(same_bits(a, b) for a, b in zip(rows, back_rows))
 
 
 @given(padded_batches(bits=True), jagged_batches(bits=True))
@@ -183,9 +176,9 @@ def test_codec_moves_any_bit_pattern(batch: tuple[torch.Tensor, list[int]], jagg
     """Any bits (NaN payloads, inf, -0.0, every carried dtype incl. uint64 and float8) survive both directions."""
     padded, lengths = batch
     rows = _rows(to_jagged(padded, lengths))
-    assert all(_same(row, padded[i, :length]) for i, (row, length) in enumerate(zip(rows, lengths)))
+    assert all(same_bits(row, padded[i, :length]) for i, (row, length) in enumerate(zip(rows, lengths)))
     out = to_padded(jagged)
-    assert all(_same(out[i, : row.shape[0]], row) for i, row in enumerate(_rows(jagged)))
+    assert all(same_bits(out[i, : row.shape[0]], row) for i, row in enumerate(_rows(jagged)))
 
 
 def test_codec_refuses_dtypes_it_does_not_carry() -> None:
@@ -206,13 +199,13 @@ def test_routed_experts_round_trip_padded_jagged_padded_with_pad_minus_one(case:
     -1 gives it on the real tokens and -1 (no route) everywhere else, dtype and shape kept."""
     routed, lengths = case["routed"], case["lengths"]
     jagged = to_jagged(routed, lengths)
-    assert all(_same(row, routed[i, : lengths[i]]) for i, row in enumerate(_rows(jagged)))
+    assert all(same_bits(row, routed[i, : lengths[i]]) for i, row in enumerate(_rows(jagged)))
     back = to_padded(jagged, pad_value=NO_ROUTE, pad_to_length=routed.shape[1])
     real = _valid_mask(lengths, routed.shape[1])[:, :, None, None]
-    assert _same(back, torch.where(real, routed, torch.full_like(routed, NO_ROUTE)))
+    assert same_bits(back, torch.where(real, routed, torch.full_like(routed, NO_ROUTE)))
     packed = pack_fields({ROUTED_EXPERTS: routed}, lengths=lengths, token_fields=TOKEN_FIELDS & {ROUTED_EXPERTS})
     again = materialize(packed, pad_values={ROUTED_EXPERTS: NO_ROUTE}, pad_to_length=routed.shape[1])[ROUTED_EXPERTS]
-    assert _same(again, back)
+    assert same_bits(again, back)
 
 
 @given(codec_row_lengths(), st.integers(1, 8), st.integers(0, 8))
@@ -309,10 +302,10 @@ def test_materialize_inverts_pack_fields(batch: tuple, multiple: int) -> None:
         if name in token_fields:
             assert is_jagged(packed[name]) and jagged_lengths(packed[name]) == tuple(lengths)
             rows = [field[i, :length] for i, length in enumerate(lengths)]
-            assert _same(out[name], _loop_padded(rows, width, pad_values.get(name, 0), tuple(field.shape[2:]), field.dtype))
+            assert same_bits(out[name], _loop_padded(rows, width, pad_values.get(name, 0), tuple(field.shape[2:]), field.dtype))
         else:
             assert packed[name] is field and out[name] is field
-        assert _same(field, before[name])
+        assert same_bits(field, before[name])
 
 
 @given(field_batches(), st.integers(0, 3))

@@ -20,21 +20,7 @@ from core.dtypes import (
     from_bits,
     to_bits,
 )
-from tests.property.strategies import bit_tensors, random_bits
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bits; jagged: same row lengths and row bits."""
-    if a.dtype != b.dtype:
-        return False
-    if a.is_nested or b.is_nested:
-        rows_a, rows_b = a.unbind(0), b.unbind(0)
-        return len(rows_a) == len(rows_b) and all(_same_bits(x, y) for x, y in zip(rows_a, rows_b))
-    return a.shape == b.shape and torch.equal(_bytes(a), _bytes(b))
+from tests.property.strategies import bit_tensors, random_bits, raw_bytes, same_bits
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:
@@ -47,7 +33,7 @@ def test_from_bits_inverts_to_bits(t: torch.Tensor) -> None:
     """from_bits(to_bits(t), t.dtype) is t bit for bit (NaN payloads, holes), and shares t's memory."""
     bits = to_bits(t)
     back = from_bits(bits, t.dtype)
-    assert _same_bits(back, t)
+    assert same_bits(back, t)
     assert _values(back).data_ptr() == _values(t).data_ptr()
     if t.is_nested:
         assert torch.equal(back.offsets(), t.offsets())
@@ -61,7 +47,7 @@ def test_to_bits_gives_a_native_dtype_of_the_same_width(t: torch.Tensor) -> None
     bits = to_bits(t)
     assert bits.dtype in NATIVE_DTYPES and bits.dtype.itemsize == t.dtype.itemsize
     assert bits.dtype == bit_view_dtype(t.dtype)
-    assert torch.equal(_bytes(_values(bits)), _bytes(_values(t)))
+    assert torch.equal(raw_bytes(_values(bits)), raw_bytes(_values(t)))
     if t.dtype in NATIVE_DTYPES:
         assert bits is t
 
@@ -71,7 +57,7 @@ def test_bit_view_survives_pickling(dtype: torch.dtype) -> None:
     """The bit view of a dtype torch cannot unpickle pickles, and restores to the original bits."""
     t = random_bits((3, 4), dtype, 7)
     again = from_bits(pickle.loads(pickle.dumps(to_bits(t))), dtype)
-    assert _same_bits(again, t)
+    assert same_bits(again, t)
 
 
 def test_codec_dtypes_are_the_native_ones_and_the_bit_viewed_ones() -> None:
