@@ -115,6 +115,8 @@ async def _write(client: tq.TransferQueueClient, payload: TensorDict, meta: tq.B
     # hand it the keys' tags alone.
     tags = tq.BatchMeta(global_indexes=meta.global_indexes, partition_ids=meta.partition_ids, custom_meta=meta.custom_meta)
     if all_fresh:
+        # Both halves finish before either's error is raised: the caller's drop of the keys must not race a half
+        # still in flight.
         stored, tagged = await asyncio.gather(
             client.storage_manager.put_data(payload, meta), client.async_set_custom_meta(tags), return_exceptions=True
         )
