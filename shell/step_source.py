@@ -27,6 +27,7 @@ import contextlib
 import os
 import pickle
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -135,7 +136,7 @@ def _rollout_group(config: RunConfig, worker: type[RolloutWorker], rollout_confi
         backend="gloo",
         num_cpus_per_worker=config.policy.num_cpus_per_worker,
         timeout_s=config.policy.timeout_s,
-        name_prefix=f"{name}-{os.getpid()}",
+        name_prefix=f"{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}",  # unique: trainers may share a process
         max_concurrency=max_concurrency,
         rank_options=rank_options(config.ray.placement, config.ray.worker_resource, 1),
     )

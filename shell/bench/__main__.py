@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         "4 layers; the rest as the run model; initial weights only); repeat for more",
     )
     r3.add_argument("--bytes-steps", type=int, default=5, help="steps of each routing-bytes run (default 5)")
+    r3.add_argument(
+        "--cost-steps", type=int, default=40,
+        help="steps of each same-batches cost measurement, an off and an r3 trainer side by side (default 40)",
+    )
     r3.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
     r3.add_argument("--runs-dir", default=None, help="where the runs go (default runs/r3-<timestamp>)")
     r3.add_argument("--reuse", action="store_true", help="read the runs in --runs-dir instead of running them")
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--reuse needs --runs-dir (the folder holding the runs)")
         try:
             rcfg = R3BenchConfig(
-                seeds=args.seeds, steps=args.steps, batches=args.batches, bytes_steps=args.bytes_steps,
+                seeds=args.seeds, steps=args.steps, batches=args.batches, bytes_steps=args.bytes_steps, cost_steps=args.cost_steps,
                 first_seed=args.first_seed, reuse=args.reuse, plot=args.plot, overrides=tuple(args.overrides),
                 mismatch_overrides=tuple(args.mismatch_override),
                 runs_dir=args.runs_dir or f"runs/r3-{time.strftime('%Y%m%d-%H%M%S')}",

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from shell.bench.r3 import MODELS, VARIANTS, R3BenchConfig, measure_mismatch
+from shell.bench.r3 import COST_KEYS, MODELS, VARIANTS, R3BenchConfig, measure_mismatch, measure_same_batch_cost, same_batches, step_ratios
 
 pytestmark = pytest.mark.e2e
 
@@ -28,3 +28,16 @@ def test_measure_mismatch_replay_agrees_on_every_token_and_gives_finite_numbers(
     assert r3_logprobs.tokens == off_logprobs.tokens > 0
     for value in (off_logprobs.mean_abs_diff, off_logprobs.k3_kl, r3_logprobs.mean_abs_diff, r3_logprobs.k3_kl):
         assert math.isfinite(value) and value >= 0.0
+
+
+def test_same_batch_cost_steps_two_trainers_in_one_process_on_the_same_batches(tmp_path: object) -> None:
+    """An off and an r3 trainer stepped side by side in one process (one Ray) at the frozen learning rate sample
+    the same batches, step for step, and every compared time is a positive, finite ratio."""
+    cfg = R3BenchConfig(seeds=1, steps=10, runs_dir=str(tmp_path), overrides=TINY)
+    records = measure_same_batch_cost(cfg.base_overrides, seed=0, steps=3, timeout_s=300.0)
+    assert set(records) == set(VARIANTS)
+    assert [r["step"] for r in records["off"]] == [r["step"] for r in records["r3"]] == [1, 2, 3]
+    assert same_batches(records["off"], records["r3"])
+    for key in COST_KEYS:
+        (value,) = step_ratios(records["r3"], records["off"], key)
+        assert math.isfinite(value) and value > 0.0

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from core.routing import LogprobMismatch, logprob_mismatch, routing_bytes, routing_disagreement
 from shell.bench.r3 import (
+    COST_WARMUP,
     GOAL_RATIO,
     LAST,
     MISMATCH_DEFAULTS,
@@ -31,7 +32,9 @@ from shell.bench.r3 import (
     pool_disagreement,
     pool_mismatch,
     ratio,
+    same_batches,
     same_values,
+    step_ratios,
     step_routing_bytes,
     step_tokens,
 )
@@ -127,6 +130,39 @@ def test_same_values_holds_for_a_prefix_and_fails_on_a_change(records: list) -> 
     assert same_values(changed, records, ("data_plane_bytes",))
 
 
+@given(bench_step_records(min_steps=COST_WARMUP + 1), st.floats(0.5, 2.0))
+def test_step_ratios_are_per_step_ratios_after_the_warm_up(baseline: list, scale: float) -> None:
+    """Each ratio is one step's treated value over the same step's baseline value, the warm-up steps left out; a
+    run scaled by c gives c at every step, and against itself 1."""
+    treated = [{**r, "step_time_s": r["step_time_s"] * scale} for r in baseline]
+    got = step_ratios(treated, baseline, "step_time_s")
+    assert len(got) == len(baseline) - COST_WARMUP
+    assert got == pytest.approx([scale] * len(got))
+    assert step_ratios(baseline, baseline, "step_time_s", warmup=0) == [1.0] * len(baseline)
+
+
+def test_step_ratios_rejects_other_steps_and_too_few() -> None:
+    """Both sides must hold the same steps, more than the warm-up."""
+    run = [{"step": s, "step_time_s": 1.0} for s in (1, 2, 3)]
+    with pytest.raises(ValueError, match=r"'treated' must hold the steps of 'baseline' \(3 records\): got 2 records"):
+        step_ratios(run[:2], run, "step_time_s")
+    with pytest.raises(ValueError, match=r"the records must hold more than 3 steps \(the warm-up\): got 3"):
+        step_ratios(run, run, "step_time_s", warmup=3)
+
+
+@given(bench_step_records(min_steps=1), st.data())
+def test_same_batches_holds_for_equal_batches_and_fails_on_any_difference(records: list, data: st.DataObject) -> None:
+    """Two runs stepped the same batches when every step's reward, rows and tokens agree, whatever their times;
+    one differing value or a missing step breaks it."""
+    timed = [{**r, "step_time_s": r["step_time_s"] * 2} for r in records]
+    assert same_batches(records, timed)
+    step = data.draw(st.integers(0, len(records) - 1))
+    key = data.draw(st.sampled_from(["reward_mean", "rows", "sequence_tokens_mean"]))
+    changed = [*records[:step], {**records[step], key: records[step][key] + 1}, *records[step + 1 :]]
+    assert not same_batches(records, changed)
+    assert not same_batches(records, records[:-1])
+
+
 def test_ratio_handles_zero_denominators() -> None:
     """0 / 0 is nan, x / 0 is inf, otherwise the quotient."""
     assert math.isnan(ratio(0.0, 0.0))
@@ -144,6 +180,7 @@ def test_r3_bench_config_rejects_bad_options(tmp_path: Path) -> None:
         ({"steps": LAST - 1}, f"'steps' must be >= {LAST}: got {LAST - 1}"),
         ({"batches": 0}, "'batches' must be >= 1: got 0"),
         ({"bytes_steps": LAST + 1}, rf"'bytes_steps' must be in \[1, steps \({LAST}\)\]: got {LAST + 1}"),
+        ({"cost_steps": COST_WARMUP}, rf"'cost_steps' must be an int > {COST_WARMUP} \(the warm-up steps\): got {COST_WARMUP}"),
         ({"first_seed": -1}, "'first_seed' must be >= 0: got -1"),
         ({"overrides": ("grpo.num_steps",)}, "'overrides' must be key=value items"),
         ({"overrides": ("policy.model.num_experts=0",)}, "must keep an MoE model .*: got '0'"),
