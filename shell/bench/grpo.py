@@ -1,16 +1,23 @@
 """GRPO step benchmark: the data-plane path against the legacy path on the same machine and config.
 
-Each repeat runs both paths for ``steps`` steps with the same seed (fresh
-workers per run, one Ray cluster and one TransferQueue for the whole bench),
-alternating which path goes first. Per path it reports the median step time
-(after ``warmup`` steps), the median bytes through the driver per step and the
-store traffic; per repeat it forms the paired ratio data plane / legacy and
-reports their median and range. It also checks parity: per-step rewards,
-losses and grad norms must be bitwise equal between the paths.
+Each repeat starts a trainer of each path side by side in one process (fresh
+workers per repeat, one Ray cluster and one TransferQueue for the whole bench)
+and steps them in turn for ``steps`` steps with the same seed, the order
+alternating from step to step (legacy first on odd steps). Both paths step
+the same batches (the parity below), at the same moment on the machine, so
+each step after ``warmup`` is one paired ratio data plane / legacy; the
+bench reports their median pooled over the repeats, and the range of the
+repeats' medians. (Runs in separate processes, one after the other, differ
+here by 10-15% in speed from one process set to the next, which swamps a
+few per cent.) Per path it also reports the median step time, the median
+bytes through the driver per step and the store traffic. It checks parity:
+per-step rewards, losses and grad norms must be bitwise equal between the
+paths.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import warnings
@@ -34,17 +41,30 @@ class GrpoBenchConfig:
     overrides: tuple[str, ...] = ()
 
 
-def _run(overrides: Sequence[str], steps: int) -> list[dict[str, Any]]:
+PATHS = ("legacy", "data plane")
+
+
+def _run_pair(overrides: Sequence[str], steps: int) -> dict[str, list[dict[str, Any]]]:
+    """Path -> its step records: a trainer of each path, started side by side, stepped in turn (order alternating)."""
     from shell.grpo_trainer import GRPOTrainer
     from shell.run_config import load_run_config
 
-    config = load_run_config([*overrides, f"grpo.num_steps={steps}"])
-    with GRPOTrainer(config) as trainer:
-        records = []
+    trainers: dict[str, Any] = {}
+    records: dict[str, list[dict[str, Any]]] = {path: [] for path in PATHS}
+    try:
+        for path in PATHS:
+            enabled = "true" if path == "data plane" else "false"
+            trainers[path] = GRPOTrainer(load_run_config([*overrides, f"data_plane.enabled={enabled}", f"grpo.num_steps={steps}"]))
+            trainers[path].start()
         for step in range(1, steps + 1):
-            record = trainer.step(step)
-            record.pop("samples", None)
-            records.append(record)
+            for path in PATHS if step % 2 else PATHS[::-1]:
+                record = trainers[path].step(step)
+                record.pop("samples", None)
+                records[path].append(record)
+    finally:
+        for trainer in trainers.values():
+            with contextlib.suppress(Exception):
+                trainer.close()
     return records
 
 
@@ -59,19 +79,18 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
 
     if cfg.steps <= cfg.warmup:
         raise ValueError(f"'steps' must exceed 'warmup' ({cfg.warmup}): got {cfg.steps}")
-    results: dict[str, list[list[dict[str, Any]]]] = {"legacy": [], "data plane": []}
+    results: dict[str, list[list[dict[str, Any]]]] = {path: [] for path in PATHS}
     from shell.run_config import load_run_config
 
     storage = load_run_config(list(cfg.overrides)).data_plane.backend.tq_storage or "SimpleStorage"
     with bench_cluster("grpo", storage):
-        report.start(total=2 * cfg.repeats, description="GRPO runs")
+        report.start(total=cfg.repeats, description="GRPO runs (both paths side by side)")
         started = time.perf_counter()
-        for repeat in range(cfg.repeats):
-            order = ("legacy", "data plane") if repeat % 2 == 0 else ("data plane", "legacy")
-            for path in order:
-                enabled = "true" if path == "data plane" else "false"
-                results[path].append(_run([*cfg.overrides, f"data_plane.enabled={enabled}"], cfg.steps))
-                report.advance()
+        for _repeat in range(cfg.repeats):
+            pair = _run_pair(cfg.overrides, cfg.steps)
+            for path in PATHS:
+                results[path].append(pair[path])
+            report.advance()
     rows = []
     for path, runs in results.items():
         rows.append([
@@ -81,24 +100,27 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
             f"{statistics.median(_median(r, 'data_plane_bytes', cfg.warmup) for r in runs):,.0f}",
             f"{statistics.median(_median(r, 'data_plane_ms', cfg.warmup) for r in runs):.1f}",
         ])
-    time_ratios = [
-        _median(d, "step_time_s", cfg.warmup) / _median(lg, "step_time_s", cfg.warmup)
+    step_ratios = [
+        [a["step_time_s"] / b["step_time_s"] for a, b in zip(d[cfg.warmup:], lg[cfg.warmup:])]
         for d, lg in zip(results["data plane"], results["legacy"])
     ]
+    per_repeat = [statistics.median(r) for r in step_ratios]
     byte_ratios = [
         _median(d, "driver_bytes", cfg.warmup) / _median(lg, "driver_bytes", cfg.warmup)
         for d, lg in zip(results["data plane"], results["legacy"])
     ]
     rows.append([
         "data plane / legacy",
-        f"{statistics.median(time_ratios):.3f} (range {min(time_ratios):.3f}-{max(time_ratios):.3f})",
+        f"{statistics.median([x for r in step_ratios for x in r]):.3f} (per repeat {min(per_repeat):.3f}-{max(per_repeat):.3f})",
         f"{statistics.median(byte_ratios):.4f}",
         "",
         "",
     ])
     overrides = " ".join(cfg.overrides) or "defaults"
     report.table(
-        f"GRPO step, {cfg.steps} steps x {cfg.repeats} repeats per path ({overrides}); medians after {cfg.warmup} warm-up steps",
+        f"GRPO step, {cfg.steps} steps x {cfg.repeats} repeats per path ({overrides}), both paths side by side, order "
+        f"alternating per step; medians after {cfg.warmup} warm-up steps; data plane / legacy: median of per-step "
+        f"paired ratios, pooled over the repeats",
         ["path", "step s", "driver bytes / step", "store bytes / step", "store ms / step"],
         rows,
     )

@@ -28,13 +28,20 @@ resource); TransferQueue's controller goes where Ray puts it.
   returned batch to the head's object store, and the driver reads it there
   through shared memory), and the driver's
   peak RSS during the step (``VmHWM`` of ``/proc/self/status``, reset before
-  each step through ``/proc/self/clear_refs``). The table names the smallest N
-  at which the data plane's step is faster than legacy's.
+  each step through ``/proc/self/clear_refs``) with its growth over the RSS
+  the step started from. Before each step the driver frees its garbage and
+  returns glibc's free pages (``malloc_trim``), so a step starts from the
+  memory that lives on rather than what an earlier step of the other path
+  left in the allocator; the growth is what the step itself needs in the
+  driver. The table names the smallest N at which the data plane's step is
+  faster than legacy's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import os
 import statistics
 import time
@@ -366,8 +373,23 @@ class RowProducer:
             store.close()
 
 
+def _settle_memory() -> None:
+    """Free what the driver no longer holds (Python's garbage, then glibc's free pages), so the RSS a step starts
+    from is what lives on, not what an earlier step left in the allocator."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("/proc/self/status has no VmRSS line")
 
 
 def _peak_rss_mib() -> float:
@@ -428,10 +450,12 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
                 policies = {p: Policy(policy_config(n), t, group=group) for p, t in transports.items()}
                 advantages = torch.randn(n, generator=torch.Generator().manual_seed(cfg.seed))
 
-                def step(path: str, seed: int) -> tuple[float, int, int, float]:
+                def step(path: str, seed: int) -> tuple[float, int, int, float, float]:
                     policy, transport = policies[path], transports[path]
+                    _settle_memory()
                     before = snapshot()
                     _reset_peak_rss()
+                    resident = _rss_mib()
                     start = time.perf_counter()
                     if path == "legacy":
                         data = ray.get(producer.batch.remote(n, seed, cfg.max_len))
@@ -448,12 +472,12 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
                     seconds = time.perf_counter() - start
                     peak = _peak_rss_mib()
                     traffic = node_traffic(before, snapshot(), owners).get("head", (0, 0))
-                    return seconds, moved.driver_bytes, traffic[0] + traffic[1], peak
+                    return seconds, moved.driver_bytes, traffic[0] + traffic[1], peak, peak - resident
 
                 for path in transports:  # warm-up pair
                     step(path, cfg.seed)
                 report.advance()
-                measured: dict[str, list[tuple[float, int, int, float]]] = {p: [] for p in transports}
+                measured: dict[str, list[tuple[float, int, int, float, float]]] = {p: [] for p in transports}
                 for r in range(cfg.repeats):
                     order = ("legacy", "data plane") if r % 2 == 0 else ("data plane", "legacy")
                     for path in order:
@@ -466,6 +490,7 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
                         "driver_bytes": statistics.median(m[1] for m in values),
                         "driver_node_bytes": statistics.median(m[2] for m in values),
                         "peak_rss_mib": statistics.median(m[3] for m in values),
+                        "rss_growth_mib": statistics.median(m[4] for m in values),
                     })
     finally:
         store.close()
@@ -476,7 +501,8 @@ def sweep_table(cfg: ScaleConfig, results: Sequence[Mapping[str, Any]], report: 
     """The sweep's table (and its crossover line) into ``report``."""
     rows = [
         [f"{r['rows']:,}", r["path"], f"{r['step_s']:.3f}", f"{r['ratio']:.2f}x" if r["path"] == "data plane" else "1.00x",
-         f"{r['driver_bytes']:,.0f}", f"{r['driver_node_bytes']:,.0f}", f"{r['peak_rss_mib']:,.0f}"]
+         f"{r['driver_bytes']:,.0f}", f"{r['driver_node_bytes']:,.0f}", f"{r['peak_rss_mib']:,.0f}",
+         f"{r['rss_growth_mib']:,.1f}"]
         for r in results
     ]
     ns = [r["rows"] for r in results if r["path"] == "data plane"]
@@ -484,7 +510,8 @@ def sweep_table(cfg: ScaleConfig, results: Sequence[Mapping[str, Any]], report: 
     report.table(
         f"Row sweep, DP=2, {cfg.nodes} node(s): lognormal lengths (median 700, <= {cfg.max_len}), one GRPO step "
         f"(median of {cfg.repeats} paired repeats; ratio: median of per-pair data plane / legacy). {crossover(ns, ratios)}",
-        ["rows N", "path", "step s", "vs legacy", "transport driver_bytes", "driver's node TCP bytes", "peak driver RSS MiB"],
+        ["rows N", "path", "step s", "vs legacy", "transport driver_bytes", "driver's node TCP bytes", "peak driver RSS MiB",
+         "driver RSS growth in the step MiB"],
         rows,
     )
 
@@ -498,7 +525,8 @@ def plot_sweep(results: Sequence[Mapping[str, Any]], path: str | Path, *, title:
     FigureCanvasAgg(figure)
     panels = figure.subplots(1, 3)
     for axes, key, label, log in zip(
-        panels, ("step_s", "driver_bytes", "peak_rss_mib"), ("step time (s)", "bytes through the driver", "peak driver RSS (MiB)"),
+        panels, ("step_s", "driver_bytes", "rss_growth_mib"),
+        ("step time (s)", "bytes through the driver", "driver RSS growth in a step (MiB)"),
         (False, True, False),
     ):
         for index, name in enumerate(("legacy", "data plane")):
