@@ -408,21 +408,34 @@ def measure_mismatch(
     Raises:
         RuntimeError: the worker raised, died or timed out.
     """
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
     with tempfile.TemporaryDirectory(prefix="r3-bench-") as tmp:
         store = Path(tmp) / "rendezvous"
-        args = (tuple(overrides), seed, batches, None if checkpoint is None else str(checkpoint), str(store), results)
-        worker = context.Process(target=_worker_main, args=args, daemon=True)
-        worker.start()
-        try:
-            status, payload = await_result(worker, results, timeout_s, f"the mismatch worker (seed {seed})")
-        finally:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.kill()
+        args = (tuple(overrides), seed, batches, None if checkpoint is None else str(checkpoint), str(store))
+        return run_in_worker(_worker_main, args, timeout_s, f"the mismatch worker (seed {seed})")
+
+
+def run_in_worker(target: Any, args: tuple[Any, ...], timeout_s: float, name: str, join_s: float = 60.0) -> Any:
+    """``target(*args, results)`` in a fresh (spawned) process; the payload of the ``("ok", payload)`` it puts on
+    ``results``.
+
+    ``target`` puts ``("ok", payload)`` or ``("error", trace)`` once. The process is joined for up to ``join_s``
+    after it answers, and killed if it is still alive.
+
+    Raises:
+        RuntimeError: the worker put an error (its trace in the message), or died or timed out (:func:`await_result`).
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    worker = context.Process(target=target, args=(*args, results), daemon=True)
+    worker.start()
+    try:
+        status, payload = await_result(worker, results, timeout_s, name)
+    finally:
+        worker.join(timeout=join_s)
+        if worker.is_alive():
+            worker.kill()
     if status != "ok":
-        raise RuntimeError(f"the mismatch worker (seed {seed}) raised:\n{payload}")
+        raise RuntimeError(f"{name} raised:\n{payload}")
     return payload
 
 
@@ -542,19 +555,7 @@ def measure_same_batch_cost(
     """
     if not (isinstance(steps, int) and steps >= 1):
         raise ValueError(f"'steps' must be an int >= 1: got {steps!r}")
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    worker = context.Process(target=_cost_main, args=(tuple(overrides), seed, steps, results), daemon=True)
-    worker.start()
-    try:
-        status, payload = await_result(worker, results, timeout_s, f"the cost worker (seed {seed})")
-    finally:
-        worker.join(timeout=60)
-        if worker.is_alive():
-            worker.kill()
-    if status != "ok":
-        raise RuntimeError(f"the cost worker (seed {seed}) raised:\n{payload}")
-    return payload
+    return run_in_worker(_cost_main, (tuple(overrides), seed, steps), timeout_s, f"the cost worker (seed {seed})")
 
 
 def _cost_main(overrides: tuple[str, ...], seed: int, steps: int, results: Any) -> None:
