@@ -65,7 +65,6 @@ or with ``reuse`` found in ``runs_dir``); nothing is typed in or tuned.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import multiprocessing
 import queue
@@ -568,30 +567,19 @@ def _cost_main(overrides: tuple[str, ...], seed: int, steps: int, results: Any) 
 def _interleave(overrides: Sequence[str], seed: int, steps: int) -> dict[str, list[dict[str, Any]]]:
     import ray
 
-    from shell.grpo_trainer import GRPOTrainer
+    from shell.bench.grpo import side_by_side
     from shell.ray_cluster import connect
     from shell.run_config import load_run_config
 
     common = (*overrides, f"seed={seed}", f"grpo.num_steps={steps}", f"policy.learning_rate={FROZEN_LEARNING_RATE}")
     configs = {name: load_run_config([*common, *VARIANTS[name]]) for name in VARIANTS}
     owns_ray = connect(configs["off"].ray, lambda _message: None)  # one Ray for both trainers
-    trainers: dict[str, Any] = {}
-    records: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
     try:
-        for name, config in configs.items():
-            trainers[name] = GRPOTrainer(config)
-            trainers[name].start()
-        for step in range(1, steps + 1):
-            for name in _order(list(VARIANTS), step - 1):
-                record = trainers[name].step(step)
-                records[name].append({k: record[k] for k in ("step", *SAME_BATCH_KEYS, *COST_KEYS)})
+        records = side_by_side(configs, steps)  # off first on odd steps, r3 first on even ones
     finally:
-        for trainer in trainers.values():
-            with contextlib.suppress(Exception):
-                trainer.close()
         if owns_ray:
             ray.shutdown()
-    return records
+    return {name: [{k: r[k] for k in ("step", *SAME_BATCH_KEYS, *COST_KEYS)} for r in runs] for name, runs in records.items()}
 
 
 # ---------------------------------------------------------------- runs
