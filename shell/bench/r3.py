@@ -121,7 +121,7 @@ REQUIRED = ("step", "step_time_s", "reward_mean", "driver_bytes", "data_plane_by
 """Fields every step record must hold."""
 WORKER_TIMEOUT_S = 1800.0
 POLL_S = 1.0
-"""How often the wait for the mismatch worker checks that it is still alive."""
+"""How often the wait for a bench worker process checks that it is still alive."""
 COST_WARMUP = 2
 """Steps of the same-batches cost measurement left out of its ratios (the first steps warm up)."""
 FROZEN_LEARNING_RATE = "1e-30"
@@ -303,10 +303,8 @@ def paired_ratios(treated: Mapping[int, Records], baseline: Mapping[int, Records
 
 
 def same_batches(a: Records, b: Records, keys: Sequence[str] = SAME_BATCH_KEYS) -> bool:
-    """Whether ``a`` and ``b`` hold the same steps, and each step has the same ``keys`` values in both."""
-    return len(a) == len(b) and all(
-        x["step"] == y["step"] and all(x[k] == y[k] for k in keys) for x, y in zip(a, b)
-    )
+    """Whether ``a`` and ``b`` hold as many steps and ``a`` repeats ``b`` step for step (:func:`same_values`)."""
+    return len(a) == len(b) and same_values(a, b, keys)
 
 
 def step_ratios(treated: Records, baseline: Records, key: str, warmup: int = COST_WARMUP) -> list[float]:
