@@ -7,15 +7,22 @@ and for a jagged column its row offsets). The put's frames of
 :data:`INLINE_BYTES` or more go into **one Ray object per put**, with one
 ``ray.put`` in the writing process; a smaller frame travels inside the index
 call instead (Ray inlines small task arguments and replies, where a
-``ray.put`` costs about a millisecond whatever its size). Each row's
-location, ``(column id, row)``, travels to the controller as TQ's per-row,
-per-field backend meta, so a get needs one controller lookup (which it makes
-anyway), one call to the index for the columns' object refs, and one
+``ray.put`` costs about a millisecond whatever its size). The index records
+each row's location, ``(column id, row)``, per global index and field, so a
+get needs one controller lookup (which it makes anyway), one call to the
+index for the rows' locations and their columns' object refs, and one
 ``ray.get``: zero-copy from the node's shared memory on the same node, Ray's
 own object transfer across nodes (which moves the put's whole object, all
 its large fields, even when a get asks for some of them). The put's index
 call and its controller notification run at once; the put returns when both
 are done.
+
+The controller holds no per-row state of this backend: no per-row backend
+meta, and no per-row shapes (a jagged column is reported with the fixed row
+shape ``(0, *inner)``, see :func:`field_schema`; its frame holds the row
+lengths). TransferQueue's controller copies per-row metadata in Python on
+every notify and every lookup, so each one costs a lookup, a put and a clear
+about a millisecond at 256 rows.
 
 The index (:class:`ObjectStoreIndex`, one named actor per TQ system, started
 with TQ and stopped with it) borrows every live column's object ref and
@@ -35,8 +42,9 @@ Invariants:
     bitwise as they were put (every torch dtype travels as raw bytes);
   * a column lives while any of its rows is live, and not after: after a
     clear of every key, :meth:`ObjectStoreIndex.stats` reports 0 columns;
-  * every row location read from the controller names a live column, or the
-    get raises ``RuntimeError`` naming the field and the global index.
+  * every row location the index holds names a live column; a get of a row
+    the index does not hold (cleared or never written while the controller's
+    lookup ran) raises ``RuntimeError`` naming the field and the global index.
 
 Limits: a column's memory is held until its last row is cleared (a partial
 clear frees nothing). Rows are lost with their writer (see above).
@@ -55,7 +63,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 from tensordict import TensorDict
@@ -225,23 +232,24 @@ def _concat(parts: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[
     return values, torch.cat(offsets)
 
 
-def field_schema(data: TensorDict, frames: Mapping[str, Frame]) -> dict[str, dict[str, Any]]:
-    """TQ's field schema of a put (what ``extract_field_schema`` reports), read from the frames without unbinding rows."""
+def field_schema(frames: Mapping[str, Frame]) -> dict[str, dict[str, Any]]:
+    """The field schema this backend reports to TQ's controller for a put's ``frames``: each field's dtype and a
+    row shape, no per-row state.
+
+    A dense field's row shape is what TQ itself reports (an ``(N,)`` field's rows as ``(1,)``). A jagged field is
+    reported as a regular one with row shape ``(0, *inner)``: its frame holds the row lengths, which TQ would
+    otherwise keep per row and copy in every lookup. Only this backend reads its rows, so nothing reads the
+    reported shape as a row's length.
+    """
     schema = {}
     for field, frame in frames.items():
-        dtype = getattr(torch, frame["dtype"])
         inner = tuple(frame["shape"][1:])
         if frame["offsets"] is None:
-            shape = inner if inner else (1,)  # TQ reports an (N,) field's rows as (1,)
-            schema[field] = {"dtype": dtype, "shape": torch.Size(shape), "is_nested": False, "is_non_tensor": False}
-            continue
-        lengths = np.diff(frame["offsets"]).tolist()
+            shape = inner if inner else (1,)
+        else:
+            shape = (0, *inner)
         schema[field] = {
-            "dtype": dtype,
-            "shape": torch.Size((lengths[0], *inner)),
-            "is_nested": True,
-            "is_non_tensor": False,
-            "per_sample_shapes": [(length, *inner) for length in lengths],
+            "dtype": getattr(torch, frame["dtype"]), "shape": torch.Size(shape), "is_nested": False, "is_non_tensor": False,
         }
     return schema
 
@@ -259,31 +267,49 @@ class ObjectStoreIndex:
 
     def __init__(self) -> None:
         self._columns: dict[str, list[Any]] = {}  # column id -> [object ref, live rows, writer]
-        self._rows: dict[int, dict[str, str]] = {}  # global index -> {field: column id}
+        self._rows: dict[int, dict[str, tuple[str, int]]] = {}  # global index -> {field: (column id, row)}
 
     def register(self, writer: str, puts: Sequence[tuple[str, str, list[Any], Sequence[int]]]) -> None:
         """Record columns ``(field, column id, [stored], global indexes)`` put by ``writer``, where ``stored`` is
         ``(object ref, field)`` for a column inside a put's shared object and ``(frame, None)`` for one kept here;
-        releases the rows they overwrite."""
+        row ``i`` of a column holds global index ``indexes[i]``. Releases the rows they overwrite."""
         for field, column, (stored,), indexes in puts:
             self._columns[column] = [stored, len(indexes), writer]
-            for index in indexes:
+            for row, index in enumerate(indexes):
                 fields = self._rows.setdefault(index, {})
                 old = fields.get(field)
-                fields[field] = column
+                fields[field] = (column, row)
                 if old is not None:
-                    self._release(old, 1)
+                    self._release(old[0], 1)
 
-    def refs(self, columns: Sequence[str]) -> list[Any]:
-        """``[stored, writer]`` of each column id (``stored`` as registered), or None for a column that is not live."""
-        found = [self._columns.get(column) for column in columns]
-        return [[entry[0], entry[2]] if entry is not None else None for entry in found]
+    def locate(self, indexes: Sequence[int], fields: Sequence[str]) -> dict[str, Any]:
+        """Where the rows of ``fields`` at ``indexes`` are: ``{"locations": {field: [[column id of each index],
+        [row in that column of each index]]}, "columns": {column id: [stored, writer]}}``, or ``{"missing":
+        [field, global index]}`` for the first row it does not hold.
+
+        The reply is lists of strings and ints, which Ray's reply encoding carries natively (a tuple per row
+        would be pickled one by one).
+        """
+        locations: dict[str, list[list[Any]]] = {}
+        wanted: dict[str, None] = {}
+        for field in fields:
+            columns: list[str] = []
+            rows: list[int] = []
+            for index in indexes:
+                where = self._rows.get(index, {}).get(field)
+                if where is None:
+                    return {"missing": [field, index]}
+                columns.append(where[0])
+                rows.append(where[1])
+            wanted.update(dict.fromkeys(columns))
+            locations[field] = [columns, rows]
+        return {"locations": locations, "columns": {c: [self._columns[c][0], self._columns[c][2]] for c in wanted}}
 
     def clear(self, indexes: Sequence[int]) -> None:
         """Release every field of the rows at ``indexes`` (unknown ones are ignored)."""
         released: Counter[str] = Counter()
         for index in indexes:
-            released.update(self._rows.pop(index, {}).values())
+            released.update(column for column, _row in self._rows.pop(index, {}).values())
         for column, count in released.items():
             self._release(column, count)
 
@@ -333,7 +359,7 @@ def _bootstrap(conf: Any) -> dict[str, Any]:
 
 @StorageManagerFactory.register(BACKEND)
 class RayObjectStorageManager(StorageManager):
-    """TQ's storage manager for :data:`BACKEND`: columns into Ray's object store, row locations to the controller."""
+    """TQ's storage manager for :data:`BACKEND`: columns into Ray's object store, row locations to the index."""
 
     def __init__(self, controller_info: Any, config: Any, zmq_context: Any = None) -> None:
         super().__init__(controller_info, config, zmq_context=zmq_context)
@@ -351,46 +377,32 @@ class RayObjectStorageManager(StorageManager):
         frames = {field: frame_column(field, data.get(field), n) for field in data.keys()}
         large = {field: frame for field, frame in frames.items() if frame["bytes"].nbytes >= INLINE_BYTES}
         shared = ray.put(large) if large else None  # one object for the put's large columns: one ray.put
-        puts = []
-        backend_meta: dict[int, dict[str, Any]] = {index: {} for index in indexes}
-        for field, frame in frames.items():
-            column = uuid.uuid4().hex
-            puts.append((field, column, [(shared, field) if field in large else (frame, None)], indexes))
-            for row, index in enumerate(indexes):
-                backend_meta[index][field] = (column, row)
+        puts = [
+            (field, uuid.uuid4().hex, [(shared, field) if field in large else (frame, None)], indexes)
+            for field, frame in frames.items()
+        ]
         # The index's register and the controller's notify run at once; the put returns when both are done,
-        # so a get after it finds the rows in both.
+        # so a get after it finds the rows in both. (Running the ray.put on a thread beside the notify as well
+        # measured no faster: both need this process's CPU.)
         registered = self._index.register.remote(_WRITER, puts)
-        await self.notify_data_update(metadata.partition_ids[0], indexes, field_schema(data, frames), backend_meta)
+        await self.notify_data_update(metadata.partition_ids[0], indexes, field_schema(frames))
         await _wait(registered)
 
     async def get_data(self, metadata: Any) -> TensorDict:
         indexes = list(metadata.global_indexes)
         fields = list(metadata.field_names)
-        backend = metadata._custom_backend_meta
-        locations: dict[str, list[Any]] = {}
-        for field in fields:
-            column = []
-            for index, per_field in zip(indexes, backend):
-                location = per_field.get(field)
-                if location is None:
-                    raise RuntimeError(f"{BACKEND}: no stored location for field {field!r} of global index {index}")
-                column.append(location)
-            locations[field] = column
-        wanted = sorted({location[0] for column in locations.values() for location in column})
-        found = await _wait(self._index.refs.remote(wanted))
-        lost = [column for column, entry in zip(wanted, found) if entry is None]
-        if lost:
-            field, index = next(
-                (f, indexes[i]) for f, column in locations.items() for i, loc in enumerate(column) if loc[0] in lost
-            )
+        found = await _wait(self._index.locate.remote(indexes, fields))
+        if "missing" in found:
+            field, index = found["missing"]
             raise RuntimeError(
-                f"{BACKEND}: the column holding field {field!r} of global index {index} is no longer stored "
-                f"({len(lost)} column(s) missing): it was cleared or overwritten while this get ran"
+                f"{BACKEND}: no stored row of field {field!r} at global index {index}: it was cleared while this get "
+                "ran"
             )
+        locations = {field: list(zip(*where)) for field, where in found["locations"].items()}
+        columns = found["columns"]
         frames: dict[str, Frame] = {}
         shared: dict[Any, list[tuple[str, str]]] = {}  # object ref -> [(column id, field in the object)]
-        for column, ((stored, member), _writer) in zip(wanted, found):
+        for column, ((stored, member), _writer) in columns.items():
             if member is None:
                 frames[column] = stored
             else:
@@ -399,7 +411,7 @@ class RayObjectStorageManager(StorageManager):
             for members, objects in zip(shared.values(), await _wait_all(list(shared))):
                 frames.update((column, objects[member]) for column, member in members)
         except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as error:
-            writers = sorted({entry[1] for entry in found})
+            writers = sorted({entry[1] for entry in columns.values()})
             raise RuntimeError(
                 f"{BACKEND}: rows of fields {fields} are lost: the process that wrote them died "
                 f"(writers of these rows: {', '.join(writers)})"
