@@ -98,34 +98,37 @@ async def _drop_registered(client: tq.TransferQueueClient, meta: tq.BatchMeta) -
             await client._clear_meta_in_controller(meta)
 
 
-async def _write(client: tq.TransferQueueClient, payload: TensorDict, meta: tq.BatchMeta, *, all_fresh: bool) -> None:
-    """What TQ's ``put`` does that this adapter needs: store the columns and record the keys' tags.
+async def _write(
+    client: tq.TransferQueueClient, payload: TensorDict, meta: tq.BatchMeta, previous: list[dict[str, Any]] | None
+) -> None:
+    """What TQ's ``put`` does that this adapter needs: store the columns and record the keys' tags, at once.
 
     TQ's own ``put`` also rebuilds the meta it returns (unbinding every jagged
     column row by row) and resets torch's thread count on every call; the
     adapter keeps its own receipt, so it skips both. The tags go to the
-    controller on a meta of their own (see below).
+    controller on a meta of their own.
 
-    When every key is new (``all_fresh``), the columns and the tags are sent
-    at once: if either fails, the caller drops the keys, tags and rows with
-    them. A put that rewrites stored keys records their tags only after its
-    columns are stored, so a failed put leaves those keys' tags as they were.
+    The controller replaces each key's tags with what it is sent (the merge is
+    the adapter's, on ``meta``), so a put's tags can always be set back: when
+    the columns fail and the tags were recorded, ``previous`` (each key's tags
+    before the put) is sent back, and the keys' tags are as they were. When
+    every key is new, ``previous`` is None: the caller drops the keys, tags
+    and rows with them.
     """
     # TQ's client deep-copies the meta it is given, field schemas (a shape per row and field) included:
     # hand it the keys' tags alone.
     tags = tq.BatchMeta(global_indexes=meta.global_indexes, partition_ids=meta.partition_ids, custom_meta=meta.custom_meta)
-    if all_fresh:
-        # Both halves finish before either's error is raised: the caller's drop of the keys must not race a half
-        # still in flight.
-        stored, tagged = await asyncio.gather(
-            client.storage_manager.put_data(payload, meta), client.async_set_custom_meta(tags), return_exceptions=True
-        )
-        for outcome in (stored, tagged):
-            if isinstance(outcome, BaseException):
-                raise outcome
-        return
-    await client.storage_manager.put_data(payload, meta)
-    await client.async_set_custom_meta(tags)
+    # Both halves finish before either's error is raised: the caller's clean-up must not race a half still in flight.
+    stored, tagged = await asyncio.gather(
+        client.storage_manager.put_data(payload, meta), client.async_set_custom_meta(tags), return_exceptions=True
+    )
+    if isinstance(stored, BaseException) and not isinstance(tagged, BaseException) and previous is not None:
+        undo = tq.BatchMeta(global_indexes=meta.global_indexes, partition_ids=meta.partition_ids, custom_meta=previous)
+        with contextlib.suppress(Exception):  # the columns' error is the one to raise
+            await client.async_set_custom_meta(undo)
+    for outcome in (stored, tagged):
+        if isinstance(outcome, BaseException):
+            raise outcome
 
 
 # ---------------------------------------------------------------- stores
@@ -255,9 +258,11 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         if require_stored:  # the same lookup that finds the keys tells which are missing: no extra round trip
             self._check_found(client, plan.receipt.keys, partition_id, meta)
         fresh = new_keys(plan, meta.custom_meta)
+        # The keys' tags before the put, to set back if its columns fail (the update below changes them in place).
+        previous = None if len(fresh) == len(plan.receipt.keys) else [dict(tags) for tags in meta.custom_meta]
         meta.update_custom_meta(tag_updates(plan, meta.custom_meta))
         try:
-            self._call("put", _write, client, plan.payload, meta, all_fresh=len(fresh) == len(plan.receipt.keys))
+            self._call("put", _write, client, plan.payload, meta, previous)
         except BaseException:
             if fresh:
                 with contextlib.suppress(Exception):  # e.g. TQ's event loop is gone too, or a part died

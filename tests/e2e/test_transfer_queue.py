@@ -241,6 +241,31 @@ def test_put_of_new_keys_failing_in_either_half_leaves_no_key(
     store.close()
 
 
+@pytest.mark.parametrize("tags", [None, [{"t": 2}]], ids=["new field", "new field and a tag the key holds"])
+def test_rewrite_failing_in_its_columns_leaves_the_tags_as_they_were(
+    tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch, tags: Any
+) -> None:
+    """A rewrite whose tag merge can be undone sends its columns and its tags at once; when the columns fail, the
+    keys' tags are set back, so the key reads and describes as before the put."""
+    store = TransferQueueStore.attach()
+    store.put(["k"], partition, TensorDict({"x": torch.tensor([7])}, batch_size=[1]), tags=[{"t": 1}])
+    before = store.describe(["k"], partition)
+
+    async def failing_put(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("storage unit went away")
+
+    monkeypatch.setattr(tq.get_client().storage_manager, "put_data", failing_put)
+    with pytest.raises(ConnectionError, match=r"storage unit went away"):
+        store.put(["k"], partition, TensorDict({"y": torch.ones(1, 2)}, batch_size=[1]), tags=tags)
+    monkeypatch.undo()
+    assert store.describe(["k"], partition) == before
+    with pytest.raises(KeyError, match=r"'y'"):
+        store.get(["k"], partition, ["y"])
+    assert store.get(["k"], partition, ["x"])["x"].tolist() == [7]
+    store.clear(["k"], partition)
+    store.close()
+
+
 def test_put_rewrite_with_another_dtype_stays_readable(tq_store_session: TransferQueueStore, partition: str) -> None:
     """TQ allows one dtype per field and partition; through the adapter a field may change dtype per key."""
     store = TransferQueueStore.attach()
