@@ -98,6 +98,25 @@ async def _drop_registered(client: tq.TransferQueueClient, meta: tq.BatchMeta) -
             await client._clear_meta_in_controller(meta)
 
 
+class _TagsToSend(tq.BatchMeta):
+    """Keys' tags for one ``async_set_custom_meta``, all in one partition, sent without TQ's copies.
+
+    TQ's ``async_set_custom_meta`` deep-copies every key's tags three times
+    before it sends them (``get_all_custom_meta``, then ``chunk_by_partition``'s
+    ``select_samples``, then ``get_all_custom_meta`` of each chunk): 40% of the
+    call at 5,500 keys. The adapter builds this meta for one send, from tags
+    it owns, and drops it after, so it hands TQ the tags themselves.
+    """
+
+    __slots__ = ()
+
+    def get_all_custom_meta(self) -> list[dict[str, Any]]:
+        return self.custom_meta
+
+    def chunk_by_partition(self) -> list[tq.BatchMeta]:
+        return [self]
+
+
 async def _write(
     client: tq.TransferQueueClient, payload: TensorDict, meta: tq.BatchMeta, previous: list[dict[str, Any]] | None
 ) -> None:
@@ -117,13 +136,13 @@ async def _write(
     """
     # TQ's client deep-copies the meta it is given, field schemas (a shape per row and field) included:
     # hand it the keys' tags alone.
-    tags = tq.BatchMeta(global_indexes=meta.global_indexes, partition_ids=meta.partition_ids, custom_meta=meta.custom_meta)
+    tags = _TagsToSend(global_indexes=meta.global_indexes, partition_ids=meta.partition_ids, custom_meta=meta.custom_meta)
     # Both halves finish before either's error is raised: the caller's clean-up must not race a half still in flight.
     stored, tagged = await asyncio.gather(
         client.storage_manager.put_data(payload, meta), client.async_set_custom_meta(tags), return_exceptions=True
     )
     if isinstance(stored, BaseException) and not isinstance(tagged, BaseException) and previous is not None:
-        undo = tq.BatchMeta(global_indexes=meta.global_indexes, partition_ids=meta.partition_ids, custom_meta=previous)
+        undo = _TagsToSend(global_indexes=meta.global_indexes, partition_ids=meta.partition_ids, custom_meta=previous)
         with contextlib.suppress(Exception):  # the columns' error is the one to raise
             await client.async_set_custom_meta(undo)
     for outcome in (stored, tagged):
