@@ -20,9 +20,9 @@ are done.
 The controller holds no per-row state of this backend: no per-row backend
 meta, and no per-row shapes (a jagged column is reported with the fixed row
 shape ``(0, *inner)``, see :func:`field_schema`; its frame holds the row
-lengths). TransferQueue's controller copies per-row metadata in Python on
-every notify and every lookup, so each one costs a lookup, a put and a clear
-about a millisecond at 256 rows.
+lengths). TransferQueue's controller copies its per-row metadata in Python
+on every notify and every lookup, so each piece of it lengthens every put,
+get and clear, the more so the more rows.
 
 The index (:class:`ObjectStoreIndex`, one named actor per TQ system, started
 with TQ and stopped with it) borrows every live column's object ref and
