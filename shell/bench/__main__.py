@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     policy = sub.add_parser("policy", help="bytes through the driver and wall time: legacy vs data-plane policy")
     policy.add_argument("--repeats", type=int, default=3, help="timed calls per path (default 3)")
     policy.add_argument("--rows", type=int, default=256, help="ragged rows in the batch (default 256, even)")
+    policy.add_argument(
+        "--lengths", choices=("lognormal", "short"), default="lognormal",
+        help="row lengths: lognormal (median 700, issue 13's realistic rows; the default) or short (uniform 8..64, quick)",
+    )
+    policy.add_argument("--max-len", type=int, default=1024, help="longest lognormal row (default 1024)")
     policy.add_argument("--markdown", action="store_true", help="print Markdown tables")
     grpo = sub.add_parser("grpo", help="GRPO step time and driver bytes: data-plane vs legacy path, with parity")
     grpo.add_argument("--steps", type=int, default=20, help="steps per run (default 20)")
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         from shell.bench.policy import PolicyBenchConfig
         from shell.bench.policy import run as run_policy
 
-        run_policy(PolicyBenchConfig(rows=args.rows, repeats=args.repeats), report)
+        run_policy(PolicyBenchConfig(rows=args.rows, repeats=args.repeats, lengths=args.lengths, max_len=args.max_len), report)
     elif args.name == "grpo":
         from shell.bench.grpo import GrpoBenchConfig
         from shell.bench.grpo import run as run_grpo

@@ -1,11 +1,15 @@
 """``python -m shell.bench policy``: bytes through the driver and wall time, one ``Policy`` over its two transports.
 
-Workload: ``rows`` (default 256) ragged rows (lengths uniform in 8..64) on a
-DP=2 group of megatron tiny-GPT workers on CPU (gloo), one GRPO train call of
-two optimizer steps. The same :class:`shell.policy.Policy` runs over
-:class:`shell.transport.LegacyTransport` ("legacy": the rows travel through the
-driver) and :class:`shell.transport.DataPlaneTransport` ("data plane": the
-ranks fetch them from TransferQueue); both drive the same group.
+Workload (``lengths``): ``"lognormal"`` (the default, issue 13's realistic
+rows): ``rows`` (default 256) rows of lognormal lengths (median 700 tokens,
+clipped to ``16..max_len``, default 1024; the scale sweep's rows,
+:func:`shell.bench.scale.sweep_batch`) on the sweep's tiny GPT with dynamic
+batching; ``"short"``: lengths uniform in 8..64 on the default tiny GPT (a
+quick run). Either way a DP=2 group of megatron workers on CPU (gloo), one
+GRPO train call of two optimizer steps. The same :class:`shell.policy.Policy`
+runs over :class:`shell.transport.LegacyTransport` ("legacy": the rows travel
+through the driver) and :class:`shell.transport.DataPlaneTransport` ("data
+plane": the ranks fetch them from TransferQueue); both drive the same group.
 
 Bytes through the driver are the serialized (``cloudpickle``) sizes of what
 each call hands to the workers (one rank input per DP rank, plus the common
@@ -42,13 +46,33 @@ from shell.worker import dispatch_of
 from shell.worker_group import WorkerGroup
 
 
+WORKLOADS = ("lognormal", "short")
+"""The row lengths the bench can run: issue 13's realistic rows, or the quick short ones."""
+
+
+def _even_rows(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
+    if not isinstance(value, int) or value < 2 or value % 2:
+        raise ValueError(f"'rows' must be an even int >= 2 (one half per DP rank): got {value!r}")
+
+
+def _at_least(low: int) -> Callable[[Any, attrs.Attribute[Any], int], None]:
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"'{attribute.name}' must be an int >= {low}: got {value!r}")
+
+    return check
+
+
 @attrs.frozen
 class PolicyBenchConfig:
-    """Sizes of the policy benchmark."""
+    """What the policy benchmark runs: ``rows`` rows of ``lengths`` (see :data:`WORKLOADS`; ``"lognormal"`` rows
+    are clipped to ``max_len``), ``repeats`` timed calls per path."""
 
-    rows: int = 256
-    repeats: int = 3
+    rows: int = attrs.field(default=256, validator=_even_rows)
+    repeats: int = attrs.field(default=3, validator=_at_least(1))
     seed: int = 0
+    lengths: str = attrs.field(default="lognormal", validator=attrs.validators.in_(WORKLOADS))
+    max_len: int = attrs.field(default=1024, validator=_at_least(16))
 
 
 class MeteredGroup:
@@ -80,7 +104,15 @@ class MeteredGroup:
 
 
 def workload(cfg: PolicyBenchConfig) -> TensorDict:
-    """The in-memory batch: ids, response mask, advantages, lengths."""
+    """The in-memory batch: ``input_ids`` and ``token_mask`` (N, S), ``advantages`` (N,), ``lengths`` (N,); pure in
+    ``cfg``."""
+    if cfg.lengths == "lognormal":
+        from shell.bench.scale import sweep_batch
+
+        rows = sweep_batch(cfg.rows, cfg.seed, cfg.max_len)
+        g = torch.Generator().manual_seed(cfg.seed)
+        rows["advantages"] = torch.randn(cfg.rows, generator=g)
+        return TensorDict(rows, batch_size=[cfg.rows])
     g = torch.Generator().manual_seed(cfg.seed)
     lengths = torch.randint(8, 65, (cfg.rows,), generator=g)
     positions = torch.arange(64)[None, :]
@@ -93,6 +125,33 @@ def workload(cfg: PolicyBenchConfig) -> TensorDict:
         },
         batch_size=[cfg.rows],
     )
+
+
+def policy_config(cfg: PolicyBenchConfig) -> PolicyConfig:
+    """The policy both paths run: DP=2; for ``"lognormal"`` rows, the scale sweep's tiny GPT (positions up to
+    ``max_len``) with dynamic batching, as ``shell.bench scale`` runs them."""
+    if cfg.lengths == "short":
+        return PolicyConfig(
+            sharding=NamedSharding({"data_parallel": 2}), seed=cfg.seed, train_global_batch_size=cfg.rows // 2
+        )
+    from core.micro_batch import DynamicBatchingSpec
+    from core.model_config import TinyGPTConfig
+    from shell.bench.scale import SWEEP_MODEL
+
+    return PolicyConfig(
+        sharding=NamedSharding({"data_parallel": 2}),
+        model=TinyGPTConfig(**SWEEP_MODEL, max_sequence_length=cfg.max_len),
+        seed=cfg.seed,
+        train_global_batch_size=cfg.rows // 2,
+        dynamic_batching=DynamicBatchingSpec(max_tokens_per_microbatch=2 * cfg.max_len, sequence_length_round=64),
+    )
+
+
+def describe_workload(cfg: PolicyBenchConfig) -> str:
+    """How the tables name the rows, e.g. ``"256 rows, lognormal lengths (median 700, <= 1024)"``."""
+    if cfg.lengths == "short":
+        return f"{cfg.rows} rows, lengths uniform in 8..64"
+    return f"{cfg.rows} rows, lognormal lengths (median 700, <= {cfg.max_len})"
 
 
 def _measure(
@@ -121,9 +180,7 @@ def _measure(
 
 def run(cfg: PolicyBenchConfig, report: Report) -> None:
     """Measure both paths into ``report`` (starts and stops its own Ray and TransferQueue)."""
-    config = PolicyConfig(
-        sharding=NamedSharding({"data_parallel": 2}), seed=cfg.seed, train_global_batch_size=cfg.rows // 2
-    )
+    config = policy_config(cfg)
     with bench_cluster("policy") as store:
         report.start(total=5, description="policy benchmark")
         with build_group(config, client_factory=TransferQueueStore.attach) as group:
@@ -184,7 +241,7 @@ def run(cfg: PolicyBenchConfig, report: Report) -> None:
             f"{statistics.median(paired):.2f}x ({min(paired):.2f}-{max(paired):.2f})",
         ])
     report.table(
-        f"Driver bytes and wall time per call ({cfg.rows} ragged rows, DP=2; time: median of {cfg.repeats} calls, "
+        f"Driver bytes and wall time per call ({describe_workload(cfg)}, DP=2; time: median of {cfg.repeats} calls, "
         f"ratio: median and range of {cfg.repeats} paired repeats, order alternated)",
         ["call", "path", "bytes sent", "bytes returned", "bytes total", "wall ms"],
         table,
