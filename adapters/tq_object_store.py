@@ -43,8 +43,9 @@ Invariants:
   * a column lives while any of its rows is live, and not after: after a
     clear of every key, :meth:`ObjectStoreIndex.stats` reports 0 columns;
   * every row location the index holds names a live column; a get of a row
-    the index does not hold (cleared or never written while the controller's
-    lookup ran) raises ``RuntimeError`` naming the field and the global index.
+    the index does not hold (cleared, or its put not finished, after the
+    controller's lookup found it) raises ``RuntimeError`` naming the field
+    and the global index.
 
 Limits: a column's memory is held until its last row is cleared (a partial
 clear frees nothing). Rows are lost with their writer (see above).
@@ -395,8 +396,8 @@ class RayObjectStorageManager(StorageManager):
         if "missing" in found:
             field, index = found["missing"]
             raise RuntimeError(
-                f"{BACKEND}: no stored row of field {field!r} at global index {index}: it was cleared while this get "
-                "ran"
+                f"{BACKEND}: no stored row of field {field!r} at global index {index}: it was cleared, or its put "
+                "had not finished, while this get ran"
             )
         locations = {field: list(zip(*where)) for field, where in found["locations"].items()}
         columns = found["columns"]

@@ -4,6 +4,8 @@
 * A lost writer: rows whose writing process died raise, naming the writer, instead of coming back wrong
   (columns small enough to live in the index survive it).
 * Cross-put gets: one get of rows from several puts returns each row's own data.
+* A row the index no longer holds when a get reaches it (cleared after the controller's lookup found it) raises,
+  naming the field and the global index, instead of coming back empty.
 * The other backend: the store contract suite passes on TransferQueue as shipped (SimpleStorage) too, in a
   process of its own (one TransferQueue runs per Ray cluster).
 """
@@ -95,6 +97,23 @@ def test_rows_of_a_dead_writer_raise_naming_it(tq_store_session: TransferQueueSt
             time.sleep(0.1)
     assert store.get(["w"], partition, ["small"])["small"].tolist() == [5]  # a small column lives in the index
     store.clear(["w"], partition)
+    store.close()
+
+
+@on_object_store
+def test_a_row_cleared_after_the_lookup_raises_naming_it(tq_store_session: TransferQueueStore, partition: str) -> None:
+    """The index answers a get's locations; a row it dropped after the controller's lookup is an error, not a
+    silently short column."""
+    import transfer_queue as tq
+
+    store = TransferQueueStore.attach()
+    store.put(["a", "b"], partition, TensorDict({"x": torch.ones(2, 3)}, batch_size=[2]))
+    found = tq.get_client().kv_retrieve_meta(keys=["b"], partition_id=partition, create=False)
+    ray.get(tq_object_store.find_index().clear.remote(list(found.global_indexes)))  # as a clear racing the get would
+    with pytest.raises(RuntimeError, match=rf"no stored row of field 'x@\S+' at global index {found.global_indexes[0]}: "):
+        store.get(["a", "b"], partition, ["x"])
+    assert store.get(["a"], partition, ["x"])["x"].tolist() == [[1.0, 1.0, 1.0]]
+    store.clear(["a", "b"], partition)
     store.close()
 
 
