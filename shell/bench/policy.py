@@ -33,6 +33,7 @@ import torch
 from tensordict import TensorDict
 
 from adapters.transfer_queue import TransferQueueStore
+from core.checks import check_int
 from core.step_plan import legacy_meta
 from core.topology import NamedSharding
 from shell.bench.cluster import bench_cluster
@@ -50,29 +51,22 @@ WORKLOADS = ("lognormal", "short")
 """The row lengths the bench can run: issue 13's realistic rows, or the quick short ones."""
 
 
-def _even_rows(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
-    if not isinstance(value, int) or value < 2 or value % 2:
-        raise ValueError(f"'rows' must be an even int >= 2 (one half per DP rank): got {value!r}")
-
-
-def _at_least(low: int) -> Callable[[Any, attrs.Attribute[Any], int], None]:
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
-        if not isinstance(value, int) or value < low:
-            raise ValueError(f"'{attribute.name}' must be an int >= {low}: got {value!r}")
-
-    return check
-
-
 @attrs.frozen
 class PolicyBenchConfig:
     """What the policy benchmark runs: ``rows`` rows of ``lengths`` (see :data:`WORKLOADS`; ``"lognormal"`` rows
     are clipped to ``max_len``), ``repeats`` timed calls per path."""
 
-    rows: int = attrs.field(default=256, validator=_even_rows)
-    repeats: int = attrs.field(default=3, validator=_at_least(1))
+    rows: int = 256
+    repeats: int = 3
     seed: int = 0
     lengths: str = attrs.field(default="lognormal", validator=attrs.validators.in_(WORKLOADS))
-    max_len: int = attrs.field(default=1024, validator=_at_least(16))
+    max_len: int = 1024
+
+    def __attrs_post_init__(self) -> None:
+        if check_int("rows", self.rows, minimum=2) % 2:
+            raise ValueError(f"'rows' must be even (one half per DP rank): got {self.rows}")
+        check_int("repeats", self.repeats, minimum=1)
+        check_int("max_len", self.max_len, minimum=16)
 
 
 class MeteredGroup:

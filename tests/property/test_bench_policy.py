@@ -41,10 +41,10 @@ def test_lognormal_rows_have_the_issues_median() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"rows": 3}, r"'rows' must be an even int >= 2 .*got 3"),
-        ({"rows": 0}, r"'rows' must be an even int >= 2 .*got 0"),
-        ({"repeats": 0}, r"'repeats' must be an int >= 1: got 0"),
-        ({"max_len": 8}, r"'max_len' must be an int >= 16: got 8"),
+        ({"rows": 3}, r"'rows' must be even \(one half per DP rank\): got 3"),
+        ({"rows": 0}, r"'rows' must be >= 2: got 0"),
+        ({"repeats": 0}, r"'repeats' must be >= 1: got 0"),
+        ({"max_len": 8}, r"'max_len' must be >= 16: got 8"),
         ({"lengths": "uniform"}, r"'lengths' must be in"),
     ],
 )
