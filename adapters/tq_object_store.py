@@ -45,7 +45,9 @@ Invariants:
   * every row location the index holds names a live column; a get of a row
     the index does not hold (cleared, or its put not finished, after the
     controller's lookup found it) raises ``RuntimeError`` naming the field
-    and the global index.
+    and the global index. Rows are found by global index, as on SimpleStorage:
+    if a cleared index is reused by a new put before a get that looked it up
+    earlier reaches the index, that get reads the new row.
 
 Limits: a column's memory is held until its last row is cleared (a partial
 clear frees nothing). Rows are lost with their writer (see above).

@@ -131,21 +131,32 @@ async def _write(
     The controller replaces each key's tags with what it is sent (the merge is
     the adapter's, on ``meta``), so a put's tags can always be set back: when
     the columns fail and the tags were recorded, ``previous`` (each key's tags
-    before the put) is sent back, and the keys' tags are as they were. When
+    before the put) is sent back, and the keys' tags are as they were (if that
+    send fails too, the raised error says so; after a deadline the send is
+    made without waiting for it: best effort). When
     every key is new, ``previous`` is None: the caller drops the keys, tags
     and rows with them.
     """
     # TQ's client deep-copies the meta it is given, field schemas (a shape per row and field) included:
     # hand it the keys' tags alone.
     tags = _TagsToSend(global_indexes=meta.global_indexes, partition_ids=meta.partition_ids, custom_meta=meta.custom_meta)
-    # Both halves finish before either's error is raised: the caller's clean-up must not race a half still in flight.
-    stored, tagged = await asyncio.gather(
-        client.storage_manager.put_data(payload, meta), client.async_set_custom_meta(tags), return_exceptions=True
-    )
-    if isinstance(stored, BaseException) and not isinstance(tagged, BaseException) and previous is not None:
+    undo = None
+    if previous is not None:
         undo = _TagsToSend(global_indexes=meta.global_indexes, partition_ids=meta.partition_ids, custom_meta=previous)
-        with contextlib.suppress(Exception):  # the columns' error is the one to raise
+    # Both halves finish before either's error is raised: the caller's clean-up must not race a half still in flight.
+    try:
+        stored, tagged = await asyncio.gather(
+            client.storage_manager.put_data(payload, meta), client.async_set_custom_meta(tags), return_exceptions=True
+        )
+    except asyncio.CancelledError:  # the call's deadline passed: set the old tags back, best effort, after it
+        if undo is not None:
+            asyncio.ensure_future(client.async_set_custom_meta(undo))
+        raise
+    if isinstance(stored, BaseException) and not isinstance(tagged, BaseException) and undo is not None:
+        try:
             await client.async_set_custom_meta(undo)
+        except Exception as error:  # the columns' error is the one to raise; say the tags could not be set back
+            stored.add_note(f"the keys' previous tags could not be set back either: {error!r}")
     for outcome in (stored, tagged):
         if isinstance(outcome, BaseException):
             raise outcome
