@@ -38,7 +38,7 @@ from adapters.store_port import (
     unknown_keys_error,
     validate_put,
 )
-from core.frozen import FrozenDict
+from core.frozen import FrozenDict, freeze
 from core.meta import KVBatchMeta
 
 StoredRow = tuple[ColumnSpec, Any]
@@ -91,9 +91,13 @@ class MemoryStore(StoreAdapter):
             partition = self._partitions.setdefault(receipt.partition_id, {})
             for i, key in enumerate(receipt.keys):
                 old = partition.get(key, _Entry())
+                tags = old.tags
+                if receipt.tags is not None or reserved_tags is not None:
+                    user = {} if receipt.tags is None else receipt.tags[i]
+                    tags = FrozenDict({**old.tags, **user, **({} if reserved_tags is None else freeze(reserved_tags[i]))})
                 partition[key] = _Entry(
                     fields={**old.fields, **{name: (spec, rows[i]) for name, (spec, rows) in columns.items()}},
-                    tags=old.tags if receipt.tags is None else FrozenDict({**old.tags, **receipt.tags[i]}),
+                    tags=tags,
                     sequence_length=(
                         old.sequence_length if receipt.sequence_lengths is None else receipt.sequence_lengths[i]
                     ),

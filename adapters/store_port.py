@@ -38,7 +38,6 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-import attrs
 from tensordict import TensorDict
 
 from core.meta import KVBatchMeta
@@ -134,7 +133,8 @@ class ReservedTagPutClient(Protocol):
         tags: Tags | None = None, sequence_lengths: SeqLens | None = None, require_stored: bool = False,
     ) -> KVBatchMeta:
         """``put``, also merging ``reserved_tags[i]`` (every name under :data:`RESERVED_TAG_PREFIX`)
-        into key ``i``'s tags; the receipt's tags are the merged ones.
+        into key ``i``'s stored tags. The receipt is ``put``'s: its ``tags`` are the ones passed in
+        ``tags``, without the reserved ones (the caller has those already).
 
         Raises:
             Whatever ``put`` raises; ``ValueError`` if ``reserved_tags`` is not
@@ -318,12 +318,14 @@ def validate_put(
     """Check a put's arguments and build its receipt, before any I/O.
 
     Args:
-        reserved_tags: per key, tags under :data:`RESERVED_TAG_PREFIX` to merge
-            into ``tags[i]`` (only :meth:`ReservedTagPutClient.put_with_reserved_tags` passes them).
+        reserved_tags: per key, tags under :data:`RESERVED_TAG_PREFIX` that the
+            adapter merges into what it writes for key ``i`` (only
+            :meth:`ReservedTagPutClient.put_with_reserved_tags` passes them); checked
+            here, not copied into the receipt.
 
     Returns:
         The ``KVBatchMeta`` receipt: ``fields`` lists the written field names,
-        ``tags`` what the put writes per key (``tags[i]`` merged with ``reserved_tags[i]``).
+        ``tags`` the user tags passed (never the reserved ones).
 
     Raises:
         TypeError: ``fields`` is not a TensorDict; a tag entry is not a mapping.
@@ -358,29 +360,35 @@ def validate_put(
                 f"tag names starting with {RESERVED_TAG_PREFIX!r} are reserved for integrity digests: got {forged} "
                 f"at index {i}; rename them (only the integrity layer writes these tags)"
             )
-    if reserved_tags is None:
-        return receipt
-    return attrs.evolve(receipt, tags=_merge_reserved(receipt.tags or [{}] * len(receipt), reserved_tags))
+    if reserved_tags is not None:
+        _check_reserved(reserved_tags, len(receipt))
+    return receipt
 
 
 def _is_reserved(name: Any) -> bool:
     return isinstance(name, str) and name.startswith(RESERVED_TAG_PREFIX)
 
 
-def _merge_reserved(tags: Tags, reserved_tags: Tags) -> list[dict[str, Any]]:
-    """``tags[i]`` merged with ``reserved_tags[i]``, each of whose names must be reserved."""
-    if isinstance(reserved_tags, (str, bytes, Mapping)) or len(reserved_tags) != len(tags):
+def _check_reserved(reserved_tags: Tags, n: int) -> None:
+    """Check that ``reserved_tags`` has ``n`` mappings, each of whose names is reserved.
+
+    The names are checked once per distinct name tuple: the integrity layer
+    gives every key the same names, so a put of thousands of keys checks one.
+    """
+    if isinstance(reserved_tags, (str, bytes, Mapping)) or len(reserved_tags) != n:
         got = type(reserved_tags).__name__ if isinstance(reserved_tags, (str, bytes, Mapping)) else len(reserved_tags)
-        raise ValueError(f"'reserved_tags' must have {len(tags)} entries (one per key): got {got}")
-    merged = []
-    for i, (tag, extra) in enumerate(zip(tags, reserved_tags)):
-        if not isinstance(extra, Mapping):
+        raise ValueError(f"'reserved_tags' must have {n} entries (one per key): got {got}")
+    checked: set[tuple[Any, ...]] = set()
+    for i, extra in enumerate(reserved_tags):
+        if type(extra) is not dict and not isinstance(extra, Mapping):
             raise TypeError(f"'reserved_tags' entries must be mappings: got {type(extra).__name__} at index {i}")
-        plain = [name for name in extra if not _is_reserved(name)]
+        names = tuple(extra)
+        if names in checked:
+            continue
+        plain = [name for name in names if not _is_reserved(name)]
         if plain:
             raise ValueError(f"'reserved_tags' names must start with {RESERVED_TAG_PREFIX!r}: got {plain} at index {i}")
-        merged.append({**tag, **extra})
-    return merged
+        checked.add(names)
 
 
 def validate_get(keys: Keys, partition_id: str, select_fields: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -264,10 +264,13 @@ def new_keys(plan: PutPlan, registered: Sequence[Mapping[str, Any]]) -> list[int
     return [i for i, tags in enumerate(registered) if SPEC_TAG not in tags]
 
 
-def tag_updates(plan: PutPlan, current: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def tag_updates(
+    plan: PutPlan, current: Sequence[Mapping[str, Any]], reserved: Sequence[Mapping[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """What the put sets in each key's tags (TQ merges them shallowly into the current ones, new values win).
 
-    The put's user tags, the merged spec tag and, if the put gave lengths, the length.
+    The put's user tags, ``reserved[i]`` (checked by :func:`adapters.store_port.validate_put`), the merged
+    spec tag and, if the put gave lengths, the length.
     """
     user = plan.receipt.tags
     lengths = plan.receipt.sequence_lengths
@@ -279,6 +282,8 @@ def tag_updates(plan: PutPlan, current: Sequence[Mapping[str, Any]]) -> list[dic
         if tag is None:
             tag = merged[prev] = merge_spec_tags(prev, plan.tag)
         update = thaw(user[i]) if user is not None else {}
+        if reserved is not None:
+            update.update(reserved[i])
         update[SPEC_TAG] = tag
         if lengths is not None:
             update[LENGTH_TAG] = lengths[i]

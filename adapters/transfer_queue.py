@@ -291,7 +291,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         fresh = new_keys(plan, meta.custom_meta)
         # The keys' tags before the put, to set back if its columns fail (the update below changes them in place).
         previous = None if len(fresh) == len(plan.receipt.keys) else [dict(tags) for tags in meta.custom_meta]
-        meta.update_custom_meta(tag_updates(plan, meta.custom_meta))
+        meta.update_custom_meta(tag_updates(plan, meta.custom_meta, reserved_tags))
         try:
             self._call("put", _write, client, plan.payload, meta, previous)
         except BaseException:

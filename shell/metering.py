@@ -263,7 +263,6 @@ class MeteredClient:
                 sequence_lengths=sequence_lengths,
                 require_stored=require_stored,
             )
-            receipt = attrs.evolve(receipt, tags=None if tags is None else _strip_digest_tags(receipt.tags))
         else:  # the inner put checks the user tags, rejecting reserved names
             receipt = self.inner.put(
                 keys, partition_id, fields, tags=tags, sequence_lengths=sequence_lengths, require_stored=require_stored

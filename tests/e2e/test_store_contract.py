@@ -431,11 +431,13 @@ def test_put_rejected_writes_nothing(
 
 
 def test_put_with_reserved_tags_writes_them_and_rejects_others(store: DataPlaneClient, partition: str) -> None:
-    """put_with_reserved_tags merges reserved tags into the user tags; a non-reserved or unmatched one writes nothing."""
+    """put_with_reserved_tags merges reserved tags into the stored tags (the receipt keeps the user tags); a
+    non-reserved or unmatched one writes nothing."""
     assert isinstance(store, ReservedTagPutClient)
     reserved = [{"__digest__.x": 11}, {"__digest__.x": -2}]
     receipt = store.put_with_reserved_tags(["a", "b"], partition, _ids(2), reserved_tags=reserved, tags=[{"r": 1}, {}])
-    assert receipt.tags == ({"r": 1, "__digest__.x": 11}, {"__digest__.x": -2})
+    assert receipt.tags == ({"r": 1}, {})
+    reserved[0]["__digest__.x"] = 99  # the store holds what was passed, not the caller's mapping
     assert store.describe(["b", "a"], partition).tags == ({"__digest__.x": -2}, {"r": 1, "__digest__.x": 11})  # type: ignore[attr-defined]
     _, tags = store.get_with_tags(["a", "b"], partition, ["x"], ["__digest__.x"])  # type: ignore[attr-defined]
     assert tags == ({"__digest__.x": 11}, {"__digest__.x": -2})
