@@ -45,9 +45,14 @@ Invariants:
   * every row location the index holds names a live column; a get of a row
     the index does not hold (cleared, or its put not finished, after the
     controller's lookup found it) raises ``RuntimeError`` naming the field
-    and the global index. Rows are found by global index, as on SimpleStorage:
-    if a cleared index is reused by a new put before a get that looked it up
-    earlier reaches the index, that get reads the new row.
+    and the global index;
+  * a get never returns another key's row. Rows are found by global index,
+    and TQ gives a cleared key's index to a later put; so the index records
+    each row's partition and key (:data:`OWNERS`, sent by the adapter) and
+    a get whose lookup found key ``k`` at an index that a put has since
+    given to another key raises ``RuntimeError`` naming both keys. (TQ's
+    own ``kv_batch_put``/``kv_batch_get`` send no owners and are not checked,
+    as on SimpleStorage, where such a get reads the new row.)
 
 Limits: a column's memory is held until its last row is cleared (a partial
 clear frees nothing). Rows are lost with their writer (see above).
@@ -83,6 +88,13 @@ _WRITER = f"pid {os.getpid()} on {socket.gethostname()}"
 
 INLINE_BYTES = 64 << 10
 """Columns of fewer bytes are kept in the index's memory rather than as objects of their own."""
+
+Owners = tuple[str, Sequence[str]]
+"""``(partition id, [key of each row])``: whose rows a put's columns hold (see :data:`OWNERS`)."""
+
+OWNERS = "kv_row_owners"
+"""The ``extra_info`` entry by which the adapter (:mod:`adapters.transfer_queue`) tells this backend the
+:data:`Owners` of the global indexes of a put's or a get's meta; TQ's own ``put``/``get`` leave it out."""
 
 Frame = dict[str, Any]
 """A stored column: ``bytes`` (uint8 array), ``dtype`` (torch dtype name), ``shape`` (of the values), ``offsets``
@@ -269,15 +281,19 @@ class ObjectStoreIndex:
     """
 
     def __init__(self) -> None:
-        self._columns: dict[str, list[Any]] = {}  # column id -> [object ref, live rows, writer]
+        # column id -> [object ref, live rows, writer, owners: (partition, [key of each row]) or None]
+        self._columns: dict[str, list[Any]] = {}
         self._rows: dict[int, dict[str, tuple[str, int]]] = {}  # global index -> {field: (column id, row)}
 
-    def register(self, writer: str, puts: Sequence[tuple[str, str, list[Any], Sequence[int]]]) -> None:
+    def register(
+        self, writer: str, puts: Sequence[tuple[str, str, list[Any], Sequence[int]]], owners: Owners | None = None
+    ) -> None:
         """Record columns ``(field, column id, [stored], global indexes)`` put by ``writer``, where ``stored`` is
         ``(object ref, field)`` for a column inside a put's shared object and ``(frame, None)`` for one kept here;
-        row ``i`` of a column holds global index ``indexes[i]``. Releases the rows they overwrite."""
+        row ``i`` of a column holds global index ``indexes[i]``, of key ``owners[1][i]`` in partition
+        ``owners[0]`` when ``owners`` is given. Releases the rows they overwrite."""
         for field, column, (stored,), indexes in puts:
-            self._columns[column] = [stored, len(indexes), writer]
+            self._columns[column] = [stored, len(indexes), writer, owners]
             for row, index in enumerate(indexes):
                 fields = self._rows.setdefault(index, {})
                 old = fields.get(field)
@@ -285,10 +301,12 @@ class ObjectStoreIndex:
                 if old is not None:
                     self._release(old[0], 1)
 
-    def locate(self, indexes: Sequence[int], fields: Sequence[str]) -> dict[str, Any]:
+    def locate(self, indexes: Sequence[int], fields: Sequence[str], owners: Owners | None = None) -> dict[str, Any]:
         """Where the rows of ``fields`` at ``indexes`` are: ``{"locations": {field: [[column id of each index],
-        [row in that column of each index]]}, "columns": {column id: [stored, writer]}}``, or ``{"missing":
-        [field, global index]}`` for the first row it does not hold.
+        [row in that column of each index]]}, "columns": {column id: [stored, writer]}}``; or ``{"missing":
+        [field, global index]}`` for the first row it does not hold; or, when ``owners`` (the partition and the
+        key of each index, as the caller's lookup found them) is given, ``{"reused": [field, global index,
+        [partition, key] stored there]}`` for the first row that a put registered under another partition or key.
 
         The reply is lists of strings and ints, which Ray's reply encoding carries natively (a tuple per row
         would be pickled one by one).
@@ -298,10 +316,14 @@ class ObjectStoreIndex:
         for field in fields:
             columns: list[str] = []
             rows: list[int] = []
-            for index in indexes:
+            for i, index in enumerate(indexes):
                 where = self._rows.get(index, {}).get(field)
                 if where is None:
                     return {"missing": [field, index]}
+                if owners is not None:
+                    stored = self._columns[where[0]][3]
+                    if stored is not None and (stored[0] != owners[0] or stored[1][where[1]] != owners[1][i]):
+                        return {"reused": [field, index, [stored[0], stored[1][where[1]]]]}
                 columns.append(where[0])
                 rows.append(where[1])
             wanted.update(dict.fromkeys(columns))
@@ -387,19 +409,29 @@ class RayObjectStorageManager(StorageManager):
         # The index's register and the controller's notify run at once; the put returns when both are done,
         # so a get after it finds the rows in both. (Running the ray.put on a thread beside the notify as well
         # measured no faster: both need this process's CPU.)
-        registered = self._index.register.remote(_WRITER, puts)
+        registered = self._index.register.remote(_WRITER, puts, _owners(metadata))
         await self.notify_data_update(metadata.partition_ids[0], indexes, field_schema(frames))
         await _wait(registered)
 
     async def get_data(self, metadata: Any) -> TensorDict:
         indexes = list(metadata.global_indexes)
         fields = list(metadata.field_names)
-        found = await _wait(self._index.locate.remote(indexes, fields))
+        owners = _owners(metadata)
+        found = await _wait(self._index.locate.remote(indexes, fields, owners))
         if "missing" in found:
             field, index = found["missing"]
             raise RuntimeError(
                 f"{BACKEND}: no stored row of field {field!r} at global index {index}: it was cleared, or its put "
                 "had not finished, while this get ran"
+            )
+        if "reused" in found:
+            field, index, (partition, key) = found["reused"]
+            assert owners is not None  # only a get that names its owners is told of reuse
+            wanted = owners[1][indexes.index(index)]
+            raise RuntimeError(
+                f"{BACKEND}: the row of field {field!r} at global index {index} is key {key!r} of partition "
+                f"{partition!r}, not key {wanted!r} of partition {owners[0]!r}: {wanted!r} was cleared and its index "
+                "reused by another put while this get ran"
             )
         locations = {field: list(zip(*where)) for field, where in found["locations"].items()}
         columns = found["columns"]
@@ -424,6 +456,17 @@ class RayObjectStorageManager(StorageManager):
 
     async def clear_data(self, metadata: Any) -> None:
         await _wait(self._index.clear.remote(list(metadata.global_indexes)))
+
+
+def _owners(metadata: Any) -> Owners | None:
+    """The :data:`Owners` the adapter put on ``metadata`` (checked against its global indexes), or None."""
+    owners = metadata.extra_info.get(OWNERS)
+    if owners is None:
+        return None
+    partition, keys = owners
+    if len(keys) != len(metadata.global_indexes):
+        raise ValueError(f"'{OWNERS}' names {len(keys)} keys: the meta has {len(metadata.global_indexes)} global indexes")
+    return partition, list(keys)
 
 
 async def _wait(ref: Any) -> Any:

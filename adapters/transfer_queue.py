@@ -57,7 +57,7 @@ from typing import Any
 import transfer_queue as tq
 from tensordict import TensorDict
 
-from adapters import tq_system, tq_wire
+from adapters import tq_object_store, tq_system, tq_wire
 from adapters.store_health import DEFAULT_DEADLINES, ActorParts, Deadlines, ProbedActors, wait_for
 from adapters.store_port import (
     StoreAdapter,
@@ -292,6 +292,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         # The keys' tags before the put, to set back if its columns fail (the update below changes them in place).
         previous = None if len(fresh) == len(plan.receipt.keys) else [dict(tags) for tags in meta.custom_meta]
         meta.update_custom_meta(tag_updates(plan, meta.custom_meta, reserved_tags))
+        self._name_owners(meta, partition_id, plan.receipt.keys)
         try:
             self._call("put", _write, client, plan.payload, meta, previous)
         except BaseException:
@@ -311,8 +312,15 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         specs = plan_get(keys, partition_id, names, meta.custom_meta)
         tags = pick_tags(meta.custom_meta, tag_names)
         selected = select_wires(meta, specs, partition_id)
+        self._name_owners(selected, partition_id, keys)
         data = self._call("get", client.storage_manager.get_data, selected)
         return decode_columns(specs, data, len(keys), pad_rows=self._kv_backend), tags
+
+    def _name_owners(self, meta: tq.BatchMeta, partition_id: str, keys: Sequence[str]) -> None:
+        """Tell the :data:`adapters.tq_object_store.BACKEND` backend whose rows ``meta``'s global indexes are
+        (``keys`` in index order), so that a get never reads a reused index's new row; other backends get nothing."""
+        if self._hold.storage_backend == tq_object_store.BACKEND:
+            meta.extra_info[tq_object_store.OWNERS] = (partition_id, list(keys))
 
     def _clear(self, keys: tuple[str, ...], partition_id: str) -> None:
         """One TQ clear of the keys, after checking that all are stored; on Mooncake, one per field set."""

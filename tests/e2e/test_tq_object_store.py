@@ -5,7 +5,8 @@
   (columns small enough to live in the index survive it).
 * Cross-put gets: one get of rows from several puts returns each row's own data.
 * A row the index no longer holds when a get reaches it (cleared after the controller's lookup found it) raises,
-  naming the field and the global index, instead of coming back empty.
+  naming the field and the global index, instead of coming back empty; a row whose index a put gave to another
+  key after the lookup raises, naming both keys, instead of coming back as the other key's row.
 * The other backend: the store contract suite passes on TransferQueue as shipped (SimpleStorage) too, in a
   process of its own (one TransferQueue runs per Ray cluster).
 """
@@ -111,6 +112,32 @@ def test_a_row_cleared_after_the_lookup_raises_naming_it(tq_store_session: Trans
     found = tq.get_client().kv_retrieve_meta(keys=["b"], partition_id=partition, create=False)
     ray.get(tq_object_store.find_index().clear.remote(list(found.global_indexes)))  # as a clear racing the get would
     with pytest.raises(RuntimeError, match=rf"no stored row of field 'x@\S+' at global index {found.global_indexes[0]}: "):
+        store.get(["a", "b"], partition, ["x"])
+    assert store.get(["a"], partition, ["x"])["x"].tolist() == [[1.0, 1.0, 1.0]]
+    store.clear(["a", "b"], partition)
+    store.close()
+
+
+@on_object_store
+def test_a_get_of_a_key_whose_index_was_reused_raises_naming_both_keys(
+    tq_store_session: TransferQueueStore, partition: str
+) -> None:
+    """A get never reads another key's row: when a put gives a cleared key's global index to another key after
+    the get's lookup found it, the get raises, naming both keys, instead of returning the other key's row."""
+    import transfer_queue as tq
+
+    store = TransferQueueStore.attach()
+    store.put(["a", "b"], partition, TensorDict({"x": torch.ones(2, 3)}, batch_size=[2]))
+    found = tq.get_client().kv_retrieve_meta(keys=["b"], partition_id=partition, create=False)
+    (index,), (wire,) = found.global_indexes, found.field_names
+    # What a racing clear of 'b' and a put of 'z' that took b's index leave in the index:
+    frame = tq_object_store.frame_column(wire, torch.full((1, 3), 7.0), 1)
+    puts = [(wire, "racing-put", [(frame, None)], [index])]
+    ray.get(tq_object_store.find_index().register.remote("a racing writer", puts, (partition, ["z"])))
+    with pytest.raises(
+        RuntimeError, match=rf"the row of field 'x@\S+' at global index {index} is key 'z' of partition '{partition}', "
+        rf"not key 'b' of partition '{partition}': 'b' was cleared and its index reused"
+    ):
         store.get(["a", "b"], partition, ["x"])
     assert store.get(["a"], partition, ["x"])["x"].tolist() == [[1.0, 1.0, 1.0]]
     store.clear(["a", "b"], partition)
