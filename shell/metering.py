@@ -412,6 +412,10 @@ def _stored_digests(
     """
     names = [DIGEST_PREFIX + name for name in select]
     rows = [[tag.get(name) for name in names] for tag in tags]
+    try:  # the common case: every digest present, one conversion
+        return np.array(rows, dtype=np.int64).reshape(len(tags), len(names))
+    except TypeError:  # a missing digest (None): say which field and keys below
+        pass
     for j, name in enumerate(select):
         lacking = [key for key, row in zip(keys, rows) if row[j] is None]
         if lacking:

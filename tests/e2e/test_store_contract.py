@@ -443,6 +443,12 @@ def test_put_with_reserved_tags_writes_them_and_rejects_others(store: DataPlaneC
     assert tags == ({"__digest__.x": 11}, {"__digest__.x": -2})
     with pytest.raises(ValueError, match=r"'reserved_tags' names must start with '__digest__\.': got \['r'\] at index 0"):
         store.put_with_reserved_tags(["a", "new"], partition, _ids(2, 5), reserved_tags=[{"r": 2}, {}])
+    with pytest.raises(ValueError, match=r"'reserved_tags' names must start with '__digest__\.': got \['r'\] at index 1"):
+        store.put_with_reserved_tags(  # every key's names are checked, not just the first key's
+            ["a", "new"], partition, _ids(2, 5), reserved_tags=[{"__digest__.x": 1}, {"__digest__.x": 1, "r": 2}]
+        )
+    with pytest.raises(TypeError, match=r"'reserved_tags' entries must be mappings: got list at index 1"):
+        store.put_with_reserved_tags(["a", "new"], partition, _ids(2, 5), reserved_tags=[{}, ["__digest__.x"]])
     with pytest.raises(ValueError, match=r"'reserved_tags' must have 2 entries \(one per key\): got 1"):
         store.put_with_reserved_tags(["a", "new"], partition, _ids(2, 5), reserved_tags=[{}])
     with pytest.raises(ValueError, match=r"tag names starting with '__digest__\.' are reserved .* at index 0"):
