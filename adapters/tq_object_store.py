@@ -55,7 +55,11 @@ Invariants:
     as on SimpleStorage, where such a get reads the new row.)
 
 Limits: a column's memory is held until its last row is cleared (a partial
-clear frees nothing). Rows are lost with their writer (see above).
+clear frees nothing). Rows are lost with their writer (see above). A put
+whose index call reaches the index after another process cleared its keys
+(a clear racing the put) leaves its rows there until TQ gives those global
+indexes to new keys and they are rewritten or cleared, or TQ stops: the
+index cannot tell such a late call from a new put of the same keys.
 Only tensor columns are stored (dense or jagged); the adapter
 (:mod:`adapters.transfer_queue`) sends object columns as jagged bytes.
 """
@@ -272,12 +276,18 @@ def field_schema(frames: Mapping[str, Frame]) -> dict[str, dict[str, Any]]:
 # ---------------------------------------------------------------- the index
 
 
-@ray.remote(num_cpus=0)
-class ObjectStoreIndex:
-    """The live columns' object refs, and which column holds each ``(global index, field)``.
+class RowIndex:
+    """The live columns, and which column holds each ``(global index, field)``: the index's logic, without Ray.
 
-    Borrows every column object (its writer owns it); serves one call at a
-    time, so its counts are consistent.
+    A column's ``stored`` value is opaque here (an object ref and the field inside the put's object, or a frame).
+
+    Invariants (``tests/property/test_tq_object_store.py`` states them as laws):
+      * :meth:`locate` answers, for each ``(global index, field)``, the column and row of the latest
+        :meth:`register` of it since the index was last cleared, or ``missing``;
+      * given owners, it never answers a row that a put registered under another partition or key: it
+        reports ``reused`` instead;
+      * a column is counted by :meth:`stats` exactly while one of its rows is the latest of its
+        ``(global index, field)``: after every index is cleared, none is.
     """
 
     def __init__(self) -> None:
@@ -349,6 +359,15 @@ class ObjectStoreIndex:
         entry[1] -= count
         if entry[1] <= 0:
             del self._columns[column]
+
+
+@ray.remote(num_cpus=0)
+class ObjectStoreIndex(RowIndex):
+    """:class:`RowIndex` as one Ray actor per TQ system.
+
+    Borrows every column object (its writer owns it); serves one call at a
+    time, so its counts are consistent.
+    """
 
 
 def start_index() -> Any:

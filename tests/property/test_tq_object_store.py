@@ -4,6 +4,10 @@
 * Gather: ``gather_rows`` equals picking the rows one by one.
 * Assembly: rows spread over any number of stored columns, asked for in any order, come back as the column
   that holds exactly those rows in that order.
+* The index (``RowIndex``, the logic of the index actor), under any program of puts and clears: ``locate``
+  answers the latest put's column and row of each ``(global index, field)``, or the first missing one; given
+  the keys the caller looked up, it never answers another key's row (it reports the first reused one); and
+  it counts exactly the columns that still hold a latest row, none once every index is cleared.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from adapters.tq_object_store import assemble_column, field_schema, frame_column, gather_rows, unframe
+from adapters.tq_object_store import RowIndex, assemble_column, field_schema, frame_column, gather_rows, unframe
 
 DTYPES = (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
@@ -158,3 +162,70 @@ def test_assembly_of_a_column_with_no_values_and_one_with_some() -> None:
     full = frame_column("x", _jagged([3], torch.float32, 1, inner=(2,)), 1)
     got = assemble_column("x", [("e", 0), ("f", 0)], {"e": empty, "f": full})
     assert got.offsets().tolist() == [0, 0, 3] and got.values().shape == (3, 2)
+
+
+# ---------------------------------------------------------------- the index
+
+INDEXES, FIELDS, KEYS, PARTITIONS = range(6), ("a", "b", "c"), ("k0", "k1", "k2", "k3"), ("p", "q")
+
+_put = st.tuples(
+    st.just("put"),
+    st.sampled_from(PARTITIONS),
+    st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True),
+    st.lists(st.tuples(st.sampled_from(INDEXES), st.sampled_from(KEYS)), min_size=1, max_size=6, unique_by=lambda r: r[0]),
+    st.booleans(),  # whether the put names its owners (TQ's own put does not)
+)
+_clear = st.tuples(st.just("clear"), st.lists(st.sampled_from(INDEXES), max_size=6, unique=True))
+_query = st.tuples(
+    st.lists(st.sampled_from(INDEXES), min_size=1, max_size=6, unique=True),
+    st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True),
+    st.sampled_from(PARTITIONS),
+    st.lists(st.sampled_from(KEYS), min_size=6, max_size=6),
+    st.booleans(),  # whether the get names its owners
+)
+
+
+def _expected(model: dict, query: tuple) -> dict:
+    """What ``locate`` must answer, from a model of the latest put of each (global index, field)."""
+    indexes, fields, partition, keys, named = query
+    for field in fields:
+        for i, index in enumerate(indexes):
+            where = model.get((index, field))
+            if where is None:
+                return {"missing": [field, index]}
+            column, row, owner = where
+            if named and owner is not None and owner != (partition, keys[i]):
+                return {"reused": [field, index, list(owner)]}
+    return {"locations": {f: [[model[x, f][0] for x in indexes], [model[x, f][1] for x in indexes]] for f in fields}}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(_put, _clear), max_size=12), st.lists(_query, min_size=1, max_size=4))
+def test_the_index_answers_the_latest_put_never_another_keys_row_and_counts_live_columns(
+    program: list[tuple], queries: list[tuple]
+) -> None:
+    index, model = RowIndex(), {}
+    for n, op in enumerate(program):
+        if op[0] == "clear":
+            index.clear(op[1])
+            model = {at: where for at, where in model.items() if at[0] not in op[1]}
+            continue
+        _, partition, fields, rows, named = op
+        indexes, keys = [i for i, _ in rows], [k for _, k in rows]
+        puts = [(field, f"col{n}{field}", [(f"stored{n}{field}", None)], indexes) for field in fields]
+        index.register("writer", puts, (partition, keys) if named else None)
+        for field in fields:
+            for row, (i, key) in enumerate(rows):
+                model[i, field] = (f"col{n}{field}", row, (partition, key) if named else None)
+    for query in queries:
+        indexes, fields, partition, keys, named = query
+        found = index.locate(indexes, fields, (partition, keys[: len(indexes)]) if named else None)
+        want = _expected(model, (indexes, fields, partition, keys[: len(indexes)], named))
+        if "locations" in want:
+            assert found["locations"] == want["locations"]
+            assert set(found["columns"]) == {c for f in fields for c in want["locations"][f][0]}
+        else:
+            assert found == want
+    assert index.stats()["columns"] == len({column for column, _, _ in model.values()})
+    index.clear(list(INDEXES))
+    assert index.stats() == {"columns": 0, "rows": 0}
