@@ -139,6 +139,40 @@ class MeteredFactory:
 # ---------------------------------------------------------------- the trainer
 
 
+def build_at_once(builders: Mapping[str, Callable[[], Any]], *, keep: Callable[[str, Any], None]) -> None:
+    """Run every builder at once, one thread each, and ``keep(name, built)`` what each built.
+
+    What was built is kept even when another builder failed or an interrupt arrived (after waiting for the
+    builders still running, which their own timeouts bound), so the caller can stop it.
+
+    Raises:
+        the first failed builder's error (in ``builders`` order), or the interrupt.
+
+    Example:
+        >>> started = {}
+        >>> build_at_once({"a": lambda: 1, "b": lambda: 2}, keep=started.__setitem__)
+        >>> started
+        {'a': 1, 'b': 2}
+    """
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, len(builders)), thread_name_prefix="build-at-once")
+    futures = {name: pool.submit(build) for name, build in builders.items()}
+    try:
+        try:
+            concurrent.futures.wait(futures.values())
+        except BaseException:  # an interrupt: the builders run on; keep what they build, then let it through
+            concurrent.futures.wait(futures.values())
+            raise
+    finally:
+        pool.shutdown(wait=False)
+        for name, future in futures.items():
+            if future.done() and not future.cancelled() and future.exception() is None:
+                keep(name, future.result())
+    for future in futures.values():
+        error = future.exception()
+        if error is not None:
+            raise error
+
+
 class StepError(RuntimeError):
     """A GRPO step failed; ``step`` is its index. The cause is chained."""
 
@@ -211,20 +245,24 @@ class GRPOTrainer:
         transport = self.transport = self._open_transport(say)
         generator = "a rollout collector and a replay buffer" if self.config.grpo.async_.enabled else "the rollout engine"
         say(f"starting {self.policy_config.sharding.world_size} policy workers and {generator}")
-        self.policy = Policy(self.policy_config, transport)
-        self.source = build_source(
-            self.config,
+        rollout = RolloutConfig(
+            self.model,
+            self.config.seed,
             self.task,
-            RolloutConfig(
-                self.model,
-                self.config.seed,
-                self.task,
-                self.config.grpo.temperature,
-                precision=self.config.rollout.precision.value,
-                record_routing=self.config.policy.replays_routing,
-            ),
-            transport,
-            key_prefix=self.key_prefix,
+            self.config.grpo.temperature,
+            precision=self.config.rollout.precision.value,
+            record_routing=self.config.policy.replays_routing,
+        )
+        # Each engine's actors import and build their models (seconds each) and neither needs the other: start both
+        # at once. Whatever started is kept, so close() stops it even when the other failed.
+        build_at_once(
+            {
+                "policy": functools.partial(Policy, self.policy_config, transport),
+                "source": functools.partial(
+                    build_source, self.config, self.task, rollout, transport, key_prefix=self.key_prefix
+                ),
+            },
+            keep=functools.partial(setattr, self),
         )
 
     def _open_transport(self, say: Callable[[str], None]) -> Transport:

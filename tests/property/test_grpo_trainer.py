@@ -1,4 +1,5 @@
-"""The GRPO trainer's pure parts: task and model from the config, step-row concatenation, checkpoints.
+"""The GRPO trainer's pure parts: task and model from the config, step-row concatenation, checkpoints, and the
+start-up helper that builds its engines at once.
 
 The config's checks (task, model size) are tested with the loader, in test_run_config.py.
 """
@@ -6,6 +7,7 @@ The config's checks (task, model size) are tested with the loader, in test_run_c
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from tensordict import TensorDict
 
 from core.addition import AdditionTask
 from core.meta import KVBatchMeta
-from shell.grpo_trainer import CHECKPOINT_FILE, build_task, load_checkpoint, model_config
+from shell.grpo_trainer import CHECKPOINT_FILE, build_at_once, build_task, load_checkpoint, model_config
 from shell.run_config import load_run_config
 from shell.step_rows import StepRows
 
@@ -81,3 +83,33 @@ def test_load_checkpoint_reads_a_folder_or_file_and_rejects_others(tmp_path: Pat
     torch.save({"something": 1}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="is not a GRPO checkpoint"):
         load_checkpoint(tmp_path / "other.pt")
+
+
+def test_build_at_once_runs_the_builders_concurrently_and_keeps_each_result() -> None:
+    """Every builder runs at the same time as the others (each waits for all to have started) and each result is
+    kept under its name."""
+    started = threading.Barrier(3, timeout=10)
+    kept: dict[str, int] = {}
+
+    def build(value: int) -> int:
+        started.wait()  # only returns once all three run at once
+        return value
+
+    build_at_once({name: (lambda v=v: build(v)) for v, name in enumerate("abc")}, keep=kept.__setitem__)
+    assert kept == {"a": 0, "b": 1, "c": 2}
+
+
+def test_build_at_once_keeps_what_was_built_and_raises_the_first_failure() -> None:
+    """A failed builder does not lose the others' results (the caller must stop them); the first failure in
+    ``builders`` order is raised."""
+    kept: dict[str, str] = {}
+
+    def fail(message: str) -> str:
+        raise RuntimeError(message)
+
+    with pytest.raises(RuntimeError, match=r"^policy failed$"):
+        build_at_once(
+            {"policy": lambda: fail("policy failed"), "source": lambda: "engine", "other": lambda: fail("later")},
+            keep=kept.__setitem__,
+        )
+    assert kept == {"source": "engine"}
