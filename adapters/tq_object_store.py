@@ -25,7 +25,7 @@ on every notify and every lookup, so each piece of it lengthens every put,
 get and clear, the more so the more rows.
 
 The index (:class:`ObjectStoreIndex`, one named actor per TQ system, started
-with TQ and stopped with it) borrows every live column's object ref and
+with TQ, beside its controller, and stopped with it) borrows every live column's object ref and
 counts its live rows per ``(global index, field)``. A rewrite of a field or a
 clear of a row releases that row; a column whose last row is released is
 dropped, and Ray frees a put's object once none of its columns is live.
@@ -390,10 +390,23 @@ def find_index() -> Any:
         ) from None
 
 
+STARTED_INDEX = "started_index"
+"""The key of TQ's config section ``backend.RayObjectStore`` under which a caller that started the index before
+``transfer_queue.init`` (:func:`adapters.tq_system.start`, so that its process boots beside the controller's)
+hands its handle to the bootstrap, which uses it rather than start one and takes the key out of the config."""
+
+
 @StorageBootstrapProvider.register_provider(BACKEND)
 def _bootstrap(conf: Any) -> dict[str, Any]:
-    """TQ's start-up hook for this backend: start the index (stopped by :func:`adapters.tq_system.release`)."""
-    index = start_index()
+    """TQ's start-up hook for this backend: start the index, or take the one started before (:data:`STARTED_INDEX`);
+    stopped by :func:`adapters.tq_system.release`.
+
+    The handle returned is the creator's (kept in TQ's globals): Ray stops an actor once its creator's handles are
+    gone, whatever other processes looked it up by name.
+    """
+    section = conf.backend.get(BACKEND)
+    started = section.pop(STARTED_INDEX, None) if section is not None else None
+    index = started if started is not None else start_index()
     ray.get(index.stats.remote())  # started and reachable before TQ's first client
     return {"index": index}
 

@@ -167,11 +167,17 @@ def start(config: Config | None = None) -> SystemHold:
                 f"a TransferQueue already runs on this Ray cluster (actor {CONTROLLER_NAME!r} in namespace "
                 f"{CONTROLLER_NAMESPACE!r}): join it with TransferQueueStore.attach()"
             )
+        early_index = None
+        if conf.backend.storage_backend == tq_object_store.BACKEND:
+            # The index's process boots while TQ's controller does (each takes seconds); TQ's bootstrap of the
+            # backend then waits for this one instead of starting its own.
+            early_index = tq_object_store.start_index()
+            conf.backend[tq_object_store.BACKEND][tq_object_store.STARTED_INDEX] = early_index
         try:
             tq.init(conf)
         except BaseException:
             processes = _backend_processes()
-            index = _take_object_store_index()
+            index = _take_object_store_index() or early_index
             with contextlib.suppress(Exception):
                 tq.close()
             _stop(processes)

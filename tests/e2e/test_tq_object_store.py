@@ -7,6 +7,8 @@
 * A row the index no longer holds when a get reaches it (cleared after the controller's lookup found it) raises,
   naming the field and the global index, instead of coming back empty; a row whose index a put gave to another
   key after the lookup raises, naming both keys, instead of coming back as the other key's row.
+* Start-up: the index started beside TransferQueue's controller is the one TransferQueue uses, and its handle
+  does not stay in TransferQueue's stored config.
 * The other backend: the store contract suite passes on TransferQueue as shipped (SimpleStorage) too, in a
   process of its own (one TransferQueue runs per Ray cluster).
 """
@@ -23,7 +25,7 @@ import ray
 import torch
 from tensordict import TensorDict
 
-from adapters import tq_object_store
+from adapters import tq_object_store, tq_system
 from adapters.transfer_queue import TransferQueueStore
 from tests.e2e.conftest import ROOT, TQ_BACKEND
 
@@ -142,6 +144,19 @@ def test_a_get_of_a_key_whose_index_was_reused_raises_naming_both_keys(
     assert store.get(["a"], partition, ["x"])["x"].tolist() == [[1.0, 1.0, 1.0]]
     store.clear(["a", "b"], partition)
     store.close()
+
+
+@on_object_store
+def test_the_index_started_beside_the_controller_is_the_one_transfer_queue_uses(
+    tq_store_session: TransferQueueStore,
+) -> None:
+    """``tq_system.start`` starts the index before TQ's controller and hands it to TQ's bootstrap, which takes the
+    handle out of the config: the controller's stored config names no handle, and the named index serves."""
+    controller = ray.get_actor(tq_system.CONTROLLER_NAME, namespace=tq_system.CONTROLLER_NAMESPACE)
+    conf = ray.get(controller.get_config.remote())
+    assert conf.backend.storage_backend == tq_object_store.BACKEND
+    assert tq_object_store.STARTED_INDEX not in conf.backend[tq_object_store.BACKEND]
+    assert ray.get(tq_object_store.find_index().stats.remote())["columns"] >= 0
 
 
 def test_contract_suite_passes_on_simple_storage() -> None:
