@@ -224,6 +224,7 @@ class GRPOTrainer:
         self.run_id = uuid.uuid4().hex[:8]  # prefixes the store keys: runs sharing a partition never collide
         self.key_prefix = self.run_id + "-"
         self._store_failed = False  # a step failed because a store part died (reported once, by that step)
+        self.start_seconds: dict[str, float] = {}  # wall seconds of start's parts: ray, store (data plane), workers
 
     # ------------------------------------------------------------ life cycle
 
@@ -237,12 +238,22 @@ class GRPOTrainer:
     def start(self, on_status: Callable[[str], None] | None = None) -> None:
         """Start (or join) Ray, the store, the policy workers and the rollout engine (async: collector and buffer).
 
+        The policy workers and the rollout engine start at once (:func:`build_at_once`); whatever started is
+        stopped by :meth:`close` even when the other failed. ``start_seconds`` then holds the wall seconds of
+        each part: ``ray``, ``store`` (on the data plane) and ``workers``.
+
         Raises:
             WorkerError: a worker failed to start.
         """
         say = on_status or (lambda _message: None)
+        timed = self.start_seconds
+        began = time.perf_counter()
         self._owns_ray = connect_ray(self.config.ray, say) or self._owns_ray
+        timed["ray"] = time.perf_counter() - began
+        began = time.perf_counter()
         transport = self.transport = self._open_transport(say)
+        if self.data_plane:
+            timed["store"] = time.perf_counter() - began
         generator = "a rollout collector and a replay buffer" if self.config.grpo.async_.enabled else "the rollout engine"
         say(f"starting {self.policy_config.sharding.world_size} policy workers and {generator}")
         rollout = RolloutConfig(
@@ -253,6 +264,7 @@ class GRPOTrainer:
             precision=self.config.rollout.precision.value,
             record_routing=self.config.policy.replays_routing,
         )
+        began = time.perf_counter()
         # Each engine's actors import and build their models (seconds each) and neither needs the other: start both
         # at once. Whatever started is kept, so close() stops it even when the other failed.
         build_at_once(
@@ -264,6 +276,7 @@ class GRPOTrainer:
             },
             keep=functools.partial(setattr, self),
         )
+        timed["workers"] = time.perf_counter() - began
 
     def _open_transport(self, say: Callable[[str], None]) -> Transport:
         """The legacy transport, or the data plane over a started (or given) store."""

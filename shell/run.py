@@ -144,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             try:
                 trainer.start(on_status=lambda message: console.print(f"  {message}", highlight=False))
+                console.print(f"  {_ready(trainer.start_seconds)}", highlight=False)
                 tq_system.quiet_logs()
                 stopper.track(_worker_pids(_write_processes(trainer, run_dir / PROCESSES_FILE)))
                 if not trainer.owns_store:  # a joined store outlives a hard stop: the run's keys must not
@@ -193,6 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     status = status or EXIT_FAILED
                 _plot(run_dir, console)
     return EXIT_INTERRUPTED if stopper.interrupted else status
+
+
+def _ready(seconds: dict[str, float]) -> str:
+    """The start-up line: ``ready in 11.8 s (Ray 2.8 s, store 3.8 s, workers 5.0 s)``."""
+    parts = ", ".join(f"{'Ray' if name == 'ray' else name} {value:.1f} s" for name, value in seconds.items())
+    return f"ready in {sum(seconds.values()):.1f} s ({parts})"
 
 
 def _summary(error: BaseException) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -173,8 +174,11 @@ def test_run_rejects_bad_config_before_starting(tmp_path: Path, capsys: pytest.C
         assert not (tmp_path / "never").exists()
 
 
-def test_run_rollout_failure_ends_run_and_clears_store(tmp_path: Path, partition: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """A reward that raises in the rollout engine at step 2 exits 1 naming the step and the call; no key stays."""
+def test_run_rollout_failure_ends_run_and_clears_store(
+    tq_store_session: TransferQueueStore, tmp_path: Path, partition: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reward that raises in the rollout engine at step 2 exits 1 naming the step and the call; no key stays.
+    Before step 1 the run says how long each part of its start took."""
     status = _run([
         *SMALL, f"run.dir={tmp_path}", f"data_plane.partition={partition}",
         "task.name=tests.e2e.grpo_faults:RewardFailsOnCall", "task.kwargs.fail_on_call=2",
@@ -182,6 +186,7 @@ def test_run_rollout_failure_ends_run_and_clears_store(tmp_path: Path, partition
     err = capsys.readouterr().err
     assert status == 1
     assert "step 2" in err and "generate" in err and FAULT_MESSAGE in err
+    assert re.search(r"ready in [\d.]+ s \(Ray [\d.]+ s, store [\d.]+ s, workers [\d.]+ s\)", err), err
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
     store = TransferQueueStore.attach()
     try:
@@ -203,9 +208,12 @@ def test_trainer_worker_failure_mid_step_clears_store(tq_store_session: Transfer
 
 
 def test_trainer_refit_keeps_rollout_in_sync(tq_store_session: TransferQueueStore, partition: str) -> None:
-    """After a step, the rollout engine's weights equal the policy's (the refit reached it)."""
+    """After a step, the rollout engine's weights equal the policy's (the refit reached it); the start timed its
+    parts."""
     config = load_run_config([*SMALL, f"data_plane.partition={partition}", "policy.layout.data_parallel=1"])
     with GRPOTrainer(config) as trainer:
+        assert list(trainer.start_seconds) == ["ray", "store", "workers"]
+        assert all(seconds >= 0 for seconds in trainer.start_seconds.values())
         trainer.step(1)
         policy = trainer.policy_state()
         (rollout,) = trainer.source.group.call(RolloutWorker.weights)  # type: ignore[union-attr]
