@@ -30,6 +30,7 @@ import contextlib
 import functools
 import math
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -139,38 +140,71 @@ class MeteredFactory:
 # ---------------------------------------------------------------- the trainer
 
 
-def build_at_once(builders: Mapping[str, Callable[[], Any]], *, keep: Callable[[str, Any], None]) -> None:
-    """Run every builder at once, one thread each, and ``keep(name, built)`` what each built.
+def build_at_once(
+    builders: Mapping[str, Callable[[], Any]],
+    *,
+    keep: Callable[[str, Any], None],
+    discard: Callable[[str, Any], None],
+) -> None:
+    """Run every builder at once, one daemon thread each, and ``keep(name, built)`` what each built.
 
-    What was built is kept even when another builder failed or an interrupt arrived (after waiting for the
-    builders still running, which their own timeouts bound), so the caller can stop it.
+    If every builder finishes, each success is kept and the first failure (in ``builders`` order) is raised,
+    naming its builder in a note. If an interrupt reaches the caller first (Ctrl-C, SIGTERM), the successes so
+    far are kept and the interrupt is raised at once: a builder that finishes later hands what it built to
+    ``discard(name, built)`` (on its own thread) instead, so nothing built is lost and the caller need not wait
+    for a slow or stuck build.
 
     Raises:
-        the first failed builder's error (in ``builders`` order), or the interrupt.
+        the first failed builder's error, or the interrupt.
 
     Example:
         >>> started = {}
-        >>> build_at_once({"a": lambda: 1, "b": lambda: 2}, keep=started.__setitem__)
+        >>> build_at_once({"a": lambda: 1, "b": lambda: 2}, keep=started.__setitem__, discard=print)
         >>> started
         {'a': 1, 'b': 2}
     """
-    pool = concurrent.futures.ThreadPoolExecutor(max(1, len(builders)), thread_name_prefix="build-at-once")
-    futures = {name: pool.submit(build) for name, build in builders.items()}
-    try:
+    lock = threading.Lock()
+    finished = threading.Event()
+    outcomes: dict[str, tuple[bool, Any]] = {}
+    given_up = False
+
+    def run(name: str, build: Callable[[], Any]) -> None:
         try:
-            concurrent.futures.wait(futures.values())
-        except BaseException:  # an interrupt: the builders run on; keep what they build, then let it through
-            concurrent.futures.wait(futures.values())
-            raise
-    finally:
-        pool.shutdown(wait=False)
-        for name, future in futures.items():
-            if future.done() and not future.cancelled() and future.exception() is None:
-                keep(name, future.result())
-    for future in futures.values():
-        error = future.exception()
-        if error is not None:
-            raise error
+            outcome: tuple[bool, Any] = (True, build())
+        except BaseException as error:  # handed to the caller (or dropped with the build, if it gave up)
+            outcome = (False, error)
+        with lock:
+            if not given_up:
+                outcomes[name] = outcome
+                if len(outcomes) == len(builders):
+                    finished.set()
+                return
+        if outcome[0]:
+            with contextlib.suppress(Exception):
+                discard(name, outcome[1])
+
+    if not builders:
+        return
+    try:
+        for name, build in builders.items():
+            threading.Thread(target=run, args=(name, build), name=f"build-{name}", daemon=True).start()
+        finished.wait()
+    except BaseException:
+        with lock:
+            given_up = True
+            done = dict(outcomes)
+        for name in builders:
+            if name in done and done[name][0]:
+                keep(name, done[name][1])
+        raise
+    for name in builders:
+        if outcomes[name][0]:
+            keep(name, outcomes[name][1])
+    for name in builders:
+        succeeded, value = outcomes[name]
+        if not succeeded:
+            value.add_note(f"(while starting the {name})")
+            raise value
 
 
 class StepError(RuntimeError):
@@ -229,7 +263,11 @@ class GRPOTrainer:
     # ------------------------------------------------------------ life cycle
 
     def __enter__(self) -> GRPOTrainer:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.close()  # what started before the failure (``__exit__`` does not run for it)
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -275,6 +313,7 @@ class GRPOTrainer:
                 ),
             },
             keep=functools.partial(setattr, self),
+            discard=lambda _name, engine: engine.shutdown() if isinstance(engine, Policy) else engine.close(),
         )
         timed["workers"] = time.perf_counter() - began
 

@@ -128,7 +128,7 @@ def _samples(prompt_ids: Sequence[int], texts: Sequence[str], rewards: Sequence[
 
 
 def _rollout_group(config: RunConfig, worker: type[RolloutWorker], rollout_config: RolloutConfig, client_factory: Any,
-                   name: str, max_concurrency: int = 1) -> WorkerGroup:
+                   name: str, max_concurrency: int = 1, *, role: str = "") -> WorkerGroup:
     group = WorkerGroup(
         worker,
         NamedSharding({"data_parallel": 1}),
@@ -138,6 +138,7 @@ def _rollout_group(config: RunConfig, worker: type[RolloutWorker], rollout_confi
         timeout_s=config.policy.timeout_s,
         name_prefix=f"{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}",  # unique: trainers may share a process
         max_concurrency=max_concurrency,
+        role=role,
         rank_options=rank_options(config.ray.placement, config.ray.worker_resource, 1),
     )
     try:
@@ -164,7 +165,9 @@ class RolloutSource:
     def __init__(self, config: RunConfig, rollout_config: RolloutConfig, client_factory: Any, *, key_prefix: str) -> None:
         self.config = config
         self.key_prefix = key_prefix
-        self.group = _rollout_group(config, RolloutWorker, rollout_config, client_factory, "rollout")
+        self.group = _rollout_group(
+            config, RolloutWorker, rollout_config, client_factory, "rollout", role="rollout engine"
+        )
         self._last: float | None = None  # when the previous step's rows were handed over
 
     def refit(self, policy: Policy) -> None:
@@ -329,7 +332,14 @@ class CollectorSource:
         self._last = 0.0  # when the previous step's rows were handed over (the loop's start, first)
         self._collector_stats: dict[str, float] = {}
         self.buffer = ReplayBufferClient.start(self.settings.buffer_groups, client_factory, partition_id)
-        self.group = _rollout_group(config, RolloutCollector, rollout_config, client_factory, "collector", max_concurrency=4)
+        try:
+            self.group = _rollout_group(
+                config, RolloutCollector, rollout_config, client_factory, "collector", max_concurrency=4,
+                role="rollout collector",
+            )
+        except BaseException:
+            self.close()  # the buffer started: nothing else holds this source to stop it
+            raise
 
     def refit(self, policy: Policy) -> None:
         """Rank 0 pushes the weights to the collector (staged there: the next version)."""

@@ -7,7 +7,10 @@ The config's checks (task, model size) are tested with the loader, in test_run_c
 from __future__ import annotations
 
 import math
+import os
+import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -95,21 +98,70 @@ def test_build_at_once_runs_the_builders_concurrently_and_keeps_each_result() ->
         started.wait()  # only returns once all three run at once
         return value
 
-    build_at_once({name: (lambda v=v: build(v)) for v, name in enumerate("abc")}, keep=kept.__setitem__)
+    build_at_once(
+        {name: (lambda v=v: build(v)) for v, name in enumerate("abc")}, keep=kept.__setitem__, discard=_never
+    )
     assert kept == {"a": 0, "b": 1, "c": 2}
 
 
-def test_build_at_once_keeps_what_was_built_and_raises_the_first_failure() -> None:
+def test_build_at_once_keeps_what_was_built_and_raises_the_first_failure_naming_it() -> None:
     """A failed builder does not lose the others' results (the caller must stop them); the first failure in
-    ``builders`` order is raised."""
+    ``builders`` order is raised, with a note naming its builder."""
     kept: dict[str, str] = {}
 
     def fail(message: str) -> str:
         raise RuntimeError(message)
 
-    with pytest.raises(RuntimeError, match=r"^policy failed$"):
+    with pytest.raises(RuntimeError, match=r"^policy failed\n\(while starting the policy\)$") as info:
         build_at_once(
             {"policy": lambda: fail("policy failed"), "source": lambda: "engine", "other": lambda: fail("later")},
             keep=kept.__setitem__,
+            discard=_never,
         )
     assert kept == {"source": "engine"}
+    assert info.value.__notes__ == ["(while starting the policy)"]
+
+
+class _Interrupted(BaseException):
+    """What this test's SIGINT handler raises in the main thread (a stand-in for Ctrl-C)."""
+
+
+def _never(name: str, value: object) -> None:
+    raise AssertionError(f"nothing is discarded here: got {name}={value!r}")
+
+
+def test_build_at_once_gives_up_at_an_interrupt_keeping_what_was_built_and_discarding_what_comes_later() -> None:
+    """An interrupt while a builder still runs is raised at once; what was built before it is kept, and what a
+    builder finishes afterwards goes to ``discard`` (so it can be stopped), not to ``keep``."""
+    kept: dict[str, str] = {}
+    discarded: list[tuple[str, str]] = []
+    fast_done, release, slow_discarded = threading.Event(), threading.Event(), threading.Event()
+
+    def fast() -> str:
+        fast_done.set()
+        return "fast engine"
+
+    def slow() -> str:
+        fast_done.wait(10)
+        time.sleep(0.05)  # the fast builder's result is recorded
+        os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C while this build still runs
+        release.wait(10)
+        return "slow engine"
+
+    def discard(name: str, value: str) -> None:
+        discarded.append((name, value))
+        slow_discarded.set()
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        with pytest.raises(_Interrupted):
+            build_at_once({"fast": fast, "slow": slow}, keep=kept.__setitem__, discard=discard)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert kept == {"fast": "fast engine"} and discarded == []
+    release.set()
+    assert slow_discarded.wait(10)
+    assert discarded == [("slow", "slow engine")] and kept == {"fast": "fast engine"}
