@@ -6,7 +6,10 @@ one pad length (:func:`stamp_step`) and splits the rows over the ranks
 (:func:`shard_step`, by the :class:`StepLayout`); each worker reads its
 micro-batch spans (:func:`micro_batch_spans`); after the call, the driver
 merges the ranks' train results (:func:`merge_train`). The in-memory (legacy)
-path names its rows with :func:`legacy_meta`, so both paths shard alike.
+path names its rows with :func:`legacy_meta`, so both paths shard alike. When
+a log-prob call is followed by the train call on the same rows, each rank may
+keep the rows it computes and will train on (:func:`kept_rows`, checked by
+:func:`check_kept_rows` at the train call).
 
 Invariants:
   * a :class:`StepLayout` is valid on construction: a train global batch is a
@@ -199,6 +202,61 @@ def shard_step(meta: KVBatchMeta, layout: StepLayout, *, train: bool) -> tuple[S
         packing=layout.packing,
         dynamic_batching=layout.dynamic_batching,
     )
+
+
+def kept_rows(forward: Shards, train: Shards) -> tuple[frozenset[str], ...]:
+    """For each DP rank, the keys of its ``forward`` shard that its ``train`` shard holds too.
+
+    A rank that computes a row's log-probs and then trains on that row can keep
+    the result where it is; only the rows the train sharding gives to another
+    rank need to travel. Both shardings are of the same step's rows.
+
+    Laws (``tests/property/test_step_plan.py``):
+      * ``kept[r]`` is a subset of both ``forward[r].keys`` and ``train[r].keys``;
+      * every key of ``train[r]`` is in ``kept[r]`` or in another rank's forward shard.
+
+    Raises:
+        ValueError: the shardings have different rank counts, or not the same keys.
+
+    Example:
+        >>> meta = legacy_meta([5, 1, 4, 2])
+        >>> forward, _ = shard_step(meta, StepLayout(dp_size=2), train=False)
+        >>> train, _ = shard_step(meta, StepLayout(dp_size=2, train_global_batch_size=2), train=True)
+        >>> [sorted(keys) for keys in kept_rows(forward, train)]
+        [['row0'], ['row3']]
+    """
+    if len(forward) != len(train):
+        raise ValueError(f"'train' must have one shard per rank of 'forward' ({len(forward)}): got {len(train)}")
+    forward_keys = sorted(key for shard in forward for key in shard.keys)
+    train_keys = sorted(key for shard in train for key in shard.keys)
+    if forward_keys != train_keys:
+        extra = sorted(set(train_keys) ^ set(forward_keys))[:5]
+        raise ValueError(f"'forward' and 'train' must shard the same keys: they differ in {extra}")
+    return tuple(frozenset(f.keys).intersection(t.keys) for f, t in zip(forward, train))
+
+
+def check_kept_rows(kept: Mapping[str, int], train: Shards) -> None:
+    """Check that every row kept for a train call (key -> the DP rank that kept it) is in that rank's train shard.
+
+    A key of no train shard is not checked (a train call on fewer rows may leave kept rows unused).
+
+    Raises:
+        ValueError: a kept row is in another rank's train shard (named with both ranks).
+
+    Example:
+        >>> check_kept_rows({"row0": 1}, (legacy_meta([3]),))
+        Traceback (most recent call last):
+        ...
+        ValueError: row 'row0': the log-prob call kept its results on DP rank 1, but the train call gives it to DP rank 0; train on the rows the log-prob call returned
+    """
+    for rank, shard in enumerate(train):
+        for key in shard.keys:
+            holder = kept.get(key, rank)
+            if holder != rank:
+                raise ValueError(
+                    f"row {key!r}: the log-prob call kept its results on DP rank {holder}, but the train call gives "
+                    f"it to DP rank {rank}; train on the rows the log-prob call returned"
+                )
 
 
 def legacy_meta(lengths: Sequence[int]) -> KVBatchMeta:

@@ -553,7 +553,9 @@ class GRPOTrainer:
         tags = {"baseline": plan.baseline, "std": plan.std, "reward": carry.rewards}
         rows = policy.prepare(rows.with_meta(rows.meta.stamp_tags(tags)))
         with self.timer.phase("logprobs"):  # one fetch and one write-back for both log-probs
-            rows = policy.logprobs(rows, reference=self.loss.kl_coef > 0, prefetch=self.loss.input_fields)
+            rows = policy.logprobs(
+                rows, reference=self.loss.kl_coef > 0, prefetch=self.loss.input_fields, keep_for_train=True
+            )
         with self.timer.phase("write"):
             advantages = torch.tensor(plan.advantages, dtype=torch.float32)
             sample_mask = torch.tensor(plan.sample_mask, dtype=torch.float32)

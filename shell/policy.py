@@ -29,7 +29,7 @@ import torch
 from core.fields import GLOBAL_FORWARD_PAD_SEQLEN, INPUT_IDS, PREV_LOGPROBS, REFERENCE_LOGPROBS
 from core.model_config import TinyGPTConfig
 from core.sharding import DynamicBatchingSpec, PackingSpec
-from core.step_plan import StepLayout, TrainResult, merge_train, shard_step, stamp_step
+from core.step_plan import StepLayout, TrainResult, check_kept_rows, kept_rows, merge_train, shard_step, stamp_step
 from core.topology import NamedSharding
 from adapters.store_health import failure_in
 from shell.model_worker import ClientFactory
@@ -175,6 +175,7 @@ class Policy:
         self.config = config
         self.transport = transport
         self.group = group if group is not None else build_group(config, client_factory=transport.client_factory)
+        self._kept: dict[str, int] = {}  # key -> DP rank that kept its log-probs for the next train call
 
     def shutdown(self) -> None:
         """Shut the worker group down (a second call does nothing)."""
@@ -186,28 +187,54 @@ class Policy:
         """``rows`` stamped with the step's one ``global_forward_pad_seqlen`` (see :func:`core.step_plan.stamp_step`)."""
         return rows.with_meta(stamp_step(rows.meta, multiple=self.config.layout.step_pad_multiple))
 
-    def logprobs(self, rows: StepRows, *, reference: bool = False, prefetch: Sequence[str] = ()) -> StepRows:
+    def logprobs(
+        self, rows: StepRows, *, reference: bool = False, prefetch: Sequence[str] = (), keep_for_train: bool = False
+    ) -> StepRows:
         """``rows`` with ``prev_logprobs`` (and, with ``reference``, ``reference_policy_logprobs``) of every row.
 
         Both come from one fetch and one write-back (or one gather) per replica.
         ``prefetch``: fields the step's ``train`` call will read (e.g. the loss's
         ``input_fields``); on the data plane each rank reads those already stored
         in the same fetch and keeps them, with what it writes back, for ``train``.
+
+        ``keep_for_train``: the next call is ``train`` on these same rows (as a
+        GRPO step makes it). On the data plane a rank then writes back only the
+        rows that the train sharding gives to another rank, and keeps the rest
+        for its own train call (:func:`core.step_plan.kept_rows`; with one DP
+        rank, or the same sharding for both calls, nothing is written). Until
+        that train call, the kept rows' log-probs are in no store: a
+        ``transport.read`` of them raises ``KeyError``. The legacy transport
+        gathers every row either way.
         """
         names = (PREV_LOGPROBS, REFERENCE_LOGPROBS) if reference else (PREV_LOGPROBS,)
         _check_prepared(rows)
+        self._kept = {}
         with self._releasing_on_failure():
             shards, unsorted = shard_step(rows.meta, self.config.layout, train=False)
-            inputs = self.transport.rank_inputs(rows, shards, unsorted, fields=(INPUT_IDS, *self.config.replay_fields))
+            keep: tuple[frozenset[str], ...] = ()
+            if keep_for_train:
+                keep = kept_rows(shards, shard_step(rows.meta, self.config.layout, train=True)[0])
+            inputs = self.transport.rank_inputs(
+                rows, shards, unsorted, fields=(INPUT_IDS, *self.config.replay_fields), keep=keep
+            )
             results = self.group.call(PolicyWorker.logprobs, inputs, outputs=names, prefetch=tuple(prefetch))
-            return self.transport.collect(rows, results, unsorted, names)
+            collected = self.transport.collect(rows, results, unsorted, names)
+        self._kept = {key: rank for rank, keys in enumerate(keep) for key in keys}
+        return collected
 
     def train(self, rows: StepRows, loss_fn: Any) -> TrainResult:
-        """One optimizer step per ``train_global_batch_size`` rows (``loss_fn.input_fields`` are read)."""
+        """One optimizer step per ``train_global_batch_size`` rows (``loss_fn.input_fields`` are read).
+
+        Raises:
+            ValueError: the previous ``logprobs(..., keep_for_train=True)`` kept a row on a rank that this call's
+                sharding does not give it to (``rows`` are not the rows of that call); nothing is called then.
+        """
         fields = (INPUT_IDS, *self.config.replay_fields, *getattr(loss_fn, "input_fields", ()))
         _check_prepared(rows)
+        kept, self._kept = self._kept, {}
         with self._releasing_on_failure():
             shards, unsorted = shard_step(rows.meta, self.config.layout, train=True)
+            check_kept_rows(kept, shards)
             inputs = self.transport.rank_inputs(rows, shards, unsorted, fields=fields)
             results = self.group.call(PolicyWorker.train, inputs, loss_fn=loss_fn)
             self.transport.collect(rows, results, unsorted, ())

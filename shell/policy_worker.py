@@ -296,23 +296,53 @@ class PolicyWorker(ModelWorker):
         columns[LENGTHS] = torch.tensor(meta.sequence_lengths, dtype=torch.long)
         return build_tensordict({name: columns[name] for name in [*names, LENGTHS]}, len(keys))
 
-    def write_back(self, meta: KVBatchMeta, fields: Mapping[str, torch.Tensor], *, token_fields: Sequence[str] = ()) -> bool:
-        """Write ``fields`` under ``meta``'s keys from the replica leader only; whether this rank wrote.
+    def write_back(
+        self,
+        meta: KVBatchMeta,
+        fields: Mapping[str, torch.Tensor],
+        *,
+        token_fields: Sequence[str] = (),
+        keep: frozenset[str] = frozenset(),
+    ) -> bool:
+        """Write ``fields`` under ``meta``'s keys from the replica leader only, except the rows of ``keep``; whether
+        this rank wrote.
 
-        Per-token fields (``token_fields``) are trimmed to each row's length. The leader keeps what it wrote for
-        this step's later reads (the train call).
+        Per-token fields (``token_fields``) are trimmed to each row's length. The leader keeps every row it
+        computed for this step's later reads (the train call); the other ranks of its replica group keep the rows
+        of ``keep``, which the store does not hold, so that the train call finds them whichever rank reads.
+
+        Raises:
+            ValueError: ``keep`` names rows but ``meta`` lacks the step's pad length or sequence lengths (the rows
+                could not be kept as the train call reads them).
         """
-        if not self.is_replica_leader:
-            return False
-        write_columns(self.client, meta, dict(fields), token_fields=list(token_fields))
         pad = meta.extra_info.get(GLOBAL_FORWARD_PAD_SEQLEN)
-        if pad is not None and meta.sequence_lengths is not None:
+        cacheable = pad is not None and meta.sequence_lengths is not None
+        if keep and not cacheable:
+            raise ValueError(
+                f"'keep' needs 'meta' stamped with {GLOBAL_FORWARD_PAD_SEQLEN!r} and sequence lengths: "
+                f"got extra_info {sorted(meta.extra_info)}, sequence_lengths {'set' if meta.sequence_lengths else None}"
+            )
+        leader = self.is_replica_leader
+        sent = [i for i, key in enumerate(meta.keys) if key not in keep]
+        if leader and sent:
+            if len(sent) == len(meta):
+                write_columns(self.client, meta, dict(fields), token_fields=list(token_fields))
+            else:
+                rows = torch.tensor(sent, dtype=torch.long)
+                written = {name: value.index_select(0, rows) for name, value in fields.items()}
+                write_columns(self.client, meta.subset(sent), written, token_fields=list(token_fields))
+        if cacheable and (leader or keep):
+            held = meta
+            if not leader:
+                kept = [i for i, key in enumerate(meta.keys) if key in keep]
+                held, rows = meta.subset(kept), torch.tensor(kept, dtype=torch.long)
+                fields = {name: value.index_select(0, rows) for name, value in fields.items()}
             tokens = {name: value for name, value in fields.items() if name in token_fields}
             others = {name: value for name, value in fields.items() if name not in token_fields}
-            self._row_cache.remember_written(meta.keys, tokens, meta.sequence_lengths, int(pad))
+            self._row_cache.remember_written(held.keys, tokens, held.sequence_lengths, int(pad))
             if others:
-                self._row_cache.remember_fetched(meta.keys, others, int(pad))
-        return True
+                self._row_cache.remember_fetched(held.keys, others, int(pad))
+        return leader and bool(sent)
 
     def store_io(self) -> dict[str, float]:
         """This rank's store activity since the last call (zeros unless its client is metered)."""

@@ -9,8 +9,10 @@ is written once:
   ``lengths`` LongTensor[B]);
 * ``deliver(worker, outputs)``: hand per-row results back. A store shard's
   replica leader writes them to the store under the shard's keys (exactly one
-  writer per key and field) and returns nothing bulky; an inline shard's
-  replica leader returns them to the driver.
+  writer per key and field) and returns nothing bulky, except the rows the
+  shard says to keep: the step's train call gives those to the same rank,
+  which reads them from its own memory; an inline shard's replica leader
+  returns them to the driver.
 
 Invariant: for the same rows and ``extra_info``, both kinds give the worker a
 byte-identical rank batch (``tests/e2e/test_policy_parity_data.py``).
@@ -41,6 +43,12 @@ def _per_row_columns(instance: StoreShard, attribute: attrs.Attribute[Any], valu
             raise ValueError(f"'columns[{name!r}]' must be a tensor with one row per key ({len(instance.meta)}): got {got}")
 
 
+def _shard_keys(instance: StoreShard, attribute: attrs.Attribute[Any], value: frozenset[str]) -> None:
+    outside = sorted(value.difference(instance.meta.keys))
+    if outside:
+        raise ValueError(f"'keep' must name keys of the shard: {outside[:5]} are not in 'meta.keys'")
+
+
 @attrs.frozen
 class StoreShard:
     """A data-plane rank input: the shard's meta; the worker fetches its rows by key and writes results back.
@@ -49,10 +57,13 @@ class StoreShard:
         meta: the rank's shard of the step meta (keys, lengths, ``extra_info``).
         columns: small per-row columns the driver holds (advantages, sample mask), the shard's rows in
             ``meta.keys`` order; they travel with the call and are not fetched.
+        keep: keys of ``meta`` whose results the rank keeps for the step's train call, which gives them to this
+            same rank (:func:`core.step_plan.kept_rows`): they are not written to the store.
     """
 
     meta: KVBatchMeta = attrs.field(validator=attrs.validators.instance_of(KVBatchMeta))
     columns: Mapping[str, torch.Tensor] = attrs.field(factory=dict, validator=_per_row_columns)
+    keep: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset, validator=_shard_keys)
 
     @property
     def extra_info(self) -> FrozenDict:
@@ -72,8 +83,9 @@ class StoreShard:
         return batch
 
     def deliver(self, worker: PolicyWorker, outputs: Outputs) -> dict[str, Any]:
-        """Write ``outputs`` (per-token) under the shard's keys from the replica leader; report the store I/O."""
-        wrote = worker.write_back(self.meta, outputs, token_fields=list(outputs)) if outputs else False
+        """Write ``outputs`` (per-token) under the shard's keys from the replica leader, except the rows of
+        ``keep``, which the rank keeps for the train call; report the store I/O."""
+        wrote = worker.write_back(self.meta, outputs, token_fields=list(outputs), keep=self.keep) if outputs else False
         return {"wrote": wrote, "data_plane": worker.store_io()}
 
 

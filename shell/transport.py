@@ -18,6 +18,11 @@ results                gathered through the driver into the batch  written back 
 end of step            nothing stored                              the step's keys are cleared
 =====================  ==========================================  ==============================================
 
+When the step's train call follows a log-prob call on the same rows, the
+driver tells each data-plane rank which rows it will train on itself
+(``rank_inputs(..., keep=...)``): their results stay on the rank, and only
+the rows another rank trains on are written back.
+
 Invariants:
   * the rank batch a worker computes on is byte-identical on both transports
     (``tests/e2e/test_policy_parity_data.py``);
@@ -101,9 +106,19 @@ class Transport(Protocol):
         ...
 
     def rank_inputs(
-        self, rows: StepRows, shards: Sequence[KVBatchMeta], unsorted: Sequence[int], fields: Sequence[str]
+        self,
+        rows: StepRows,
+        shards: Sequence[KVBatchMeta],
+        unsorted: Sequence[int],
+        fields: Sequence[str],
+        *,
+        keep: Sequence[frozenset[str]] = (),
     ) -> list[RankInput]:
-        """One rank input per DP shard, carrying (or pointing at) ``fields`` of the shard's rows."""
+        """One rank input per DP shard, carrying (or pointing at) ``fields`` of the shard's rows.
+
+        ``keep`` (one key set per shard, or empty): keys whose results a rank keeps for the step's train call
+        rather than hands back (:func:`core.step_plan.kept_rows`); the legacy transport hands every result back.
+        """
         ...
 
     def collect(
@@ -181,8 +196,16 @@ class LegacyTransport:
         """Nothing is stored: dropped rows are simply not kept."""
 
     def rank_inputs(
-        self, rows: StepRows, shards: Sequence[KVBatchMeta], unsorted: Sequence[int], fields: Sequence[str]
+        self,
+        rows: StepRows,
+        shards: Sequence[KVBatchMeta],
+        unsorted: Sequence[int],
+        fields: Sequence[str],
+        *,
+        keep: Sequence[frozenset[str]] = (),
     ) -> list[RankInput]:
+        """The driver slices each rank's rows; every result comes back through the driver, so ``keep`` changes
+        nothing here."""
         data = rows.require_batch()
         lengths = rows.meta.sequence_lengths or ()
         pad = int(rows.meta.extra_info[GLOBAL_FORWARD_PAD_SEQLEN])
@@ -265,13 +288,26 @@ class DataPlaneTransport:
         self._clear(rows.meta.keys)
 
     def rank_inputs(
-        self, rows: StepRows, shards: Sequence[KVBatchMeta], unsorted: Sequence[int], fields: Sequence[str]
+        self,
+        rows: StepRows,
+        shards: Sequence[KVBatchMeta],
+        unsorted: Sequence[int],
+        fields: Sequence[str],
+        *,
+        keep: Sequence[frozenset[str]] = (),
     ) -> list[RankInput]:
+        """Each rank's meta shard, the driver-held columns of its rows, and the keys it keeps (not written back).
+
+        Raises:
+            ValueError: ``keep`` is not empty and has not one key set per shard.
+        """
+        if keep and len(keep) != len(shards):
+            raise ValueError(f"'keep' must hold one key set per shard ({len(shards)}): got {len(keep)}")
         inputs: list[RankInput] = []
-        for shard in shards:
+        for r, shard in enumerate(shards):
             columns = {name: rows_ for name in fields if (rows_ := self._held_rows(shard.keys, name)) is not None}
             self._bytes += tensor_bytes(columns)
-            inputs.append(StoreShard(shard, columns))
+            inputs.append(StoreShard(shard, columns, keep[r] if keep else frozenset()))
         return inputs
 
     def collect(

@@ -212,11 +212,11 @@ def run(cfg: PolicyBenchConfig, report: Report) -> None:
                     {"legacy": lambda: legacy.train(in_memory, loss), "data plane": lambda: plane.train(stored, loss)},
                     metered, cfg.repeats,
                 )
-                prefetch = loss.input_fields
+                as_in_a_step = {"prefetch": loss.input_fields, "keep_for_train": True}  # the trainer's step
                 rows["logprobs + train, as in a step"], ratios["logprobs + train, as in a step"] = _measure(
                     {
-                        "legacy": lambda: legacy.train(legacy.logprobs(in_memory, prefetch=prefetch), loss),
-                        "data plane": lambda: plane.train(plane.logprobs(stored, prefetch=prefetch), loss),
+                        "legacy": lambda: legacy.train(legacy.logprobs(in_memory, **as_in_a_step), loss),
+                        "data plane": lambda: plane.train(plane.logprobs(stored, **as_in_a_step), loss),
                     },
                     metered, cfg.repeats,
                 )

@@ -11,6 +11,8 @@ Per layout and batching mode (none, packing, dynamic batching):
   per-micro-batch metrics on both paths;
 * exactly one write per (key, field), counted by a recording client inside
   every worker; the same micro-batch count and forward length on every DP rank;
+* with ``keep_for_train``, only the rows another DP rank trains on are written
+  back, and the train call is unchanged;
 * a worker that raises mid-step leaves none of the step's keys in the store.
 """
 
@@ -31,7 +33,7 @@ from core.fields import PREV_LOGPROBS, REFERENCE_LOGPROBS
 from core.meta import KVBatchMeta
 from core.model_config import TinyGPTConfig
 from core.sharding import DynamicBatchingSpec, PackingSpec
-from core.step_plan import legacy_meta
+from core.step_plan import legacy_meta, shard_step
 from core.topology import NamedSharding
 from shell.column_io import first_write
 from shell.loss import GRPOLoss
@@ -237,6 +239,38 @@ def test_policy_logprobs_with_reference_keeps_the_policy_logprobs_on_both_transp
         assert torch.equal(stored[name], both[name])
     assert set(counts.values()) == {1}
     assert set(counts) == {(k, f) for k in rows.meta.keys for f in BOTH}
+
+
+@pytest.mark.parametrize("mode", ["none", "packing"])
+def test_policy_keeps_for_train_the_rows_each_rank_trains_on_and_writes_back_only_the_others(
+    group: WorkerGroup, client: DataPlaneClient, mode: str
+) -> None:
+    """With keep_for_train, a replica leader writes back exactly the rows the train sharding gives to another DP rank
+    (none with one DP rank), and the train call still equals the legacy path's bitwise."""
+    config = _config(_layout(group), mode)
+    data = _batch(seed=21 + len(mode))
+    legacy, legacy_rows = _legacy(group, config, data)
+    group.call(PolicyWorker.reset)
+    legacy_result = legacy.train(legacy.logprobs(legacy_rows, reference=True, keep_for_train=True), LOSS)
+    group.call(PolicyWorker.reset)
+    plane, rows = _plane(group, client, config, _write(client, data))
+    try:
+        group.call(RecordingPolicyWorker.take_write_log)
+        rows = plane.logprobs(rows, reference=True, prefetch=LOSS.input_fields, keep_for_train=True)
+        counts = _write_counts(group)
+        forward, _ = shard_step(rows.meta, config.layout, train=False)
+        train, _ = shard_step(rows.meta, config.layout, train=True)
+        plane_result = plane.train(rows, LOSS)
+    finally:
+        plane.transport.finish(rows)
+    moved = {key for f, t in zip(forward, train) for key in f.keys if key not in t.keys}
+    assert bool(moved) == (config.layout.dp_size > 1)  # DP=2 moves rows between the shardings; one DP rank keeps all
+    assert set(counts) == {(k, f) for k in moved for f in BOTH}
+    assert set(counts.values()) <= {1}
+    assert plane_result.loss == legacy_result.loss
+    assert plane_result.grad_norm == legacy_result.grad_norm
+    assert plane_result.micro_batch_metrics == legacy_result.micro_batch_metrics
+    assert not set(rows.meta.keys) & set(client.list_keys(rows.meta.partition_id))
 
 
 class MissingFieldLoss(GRPOLoss):

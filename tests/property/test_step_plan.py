@@ -3,7 +3,9 @@
 ``StepLayout`` validation and its pad-multiple rule; ``stamp_step`` against
 ``global_pad_length`` (and idempotence); ``shard_step`` against
 ``shard_meta_for_dp`` as the reference, with the partition / inverse round
-trip; ``micro_batch_spans`` reading back every shard's tiling; ``legacy_meta``;
+trip; ``micro_batch_spans`` reading back every shard's tiling; ``kept_rows`` as
+a partition of what stays and what travels between the two shardings, and
+``check_kept_rows`` accepting exactly that; ``legacy_meta``;
 ``merge_train`` as a per-step mean over ranks.
 """
 
@@ -23,6 +25,8 @@ from core.step_plan import (
     LEGACY_PARTITION,
     StepLayout,
     TrainResult,
+    check_kept_rows,
+    kept_rows,
     legacy_meta,
     merge_train,
     micro_batch_spans,
@@ -178,6 +182,52 @@ def test_micro_batch_spans_of_an_empty_shard_is_empty() -> None:
 
 
 # ---------------------------------------------------------------- legacy_meta
+
+
+# ---------------------------------------------------------------- kept_rows
+
+
+@given(step_cases())
+@STEP
+def test_kept_rows_are_what_a_rank_computes_and_trains_on_and_the_rest_travels(case: tuple[KVBatchMeta, StepLayout]) -> None:
+    """Rank r keeps exactly forward[r] & train[r]; every row of train[r] is kept by r or computed by another rank
+    (which writes it), so what is written plus what is kept covers each train shard exactly once."""
+    meta, layout = case
+    forward, _ = shard_step(meta, layout, train=False)
+    train, _ = shard_step(meta, layout, train=True)
+    kept = kept_rows(forward, train)
+    assert len(kept) == layout.dp_size
+    written = [set(f.keys) - k for f, k in zip(forward, kept)]
+    for r, shard in enumerate(train):
+        assert kept[r] == set(forward[r].keys) & set(shard.keys)
+        from_others = set().union(*(w for s, w in enumerate(written) if s != r)) & set(shard.keys)
+        assert kept[r] | from_others == set(shard.keys) and not kept[r] & from_others
+    assert sum(map(len, kept)) + sum(map(len, written)) == len(meta)
+    check_kept_rows({key: r for r, keys in enumerate(kept) for key in keys}, train)  # accepted as computed
+
+
+@given(step_cases())
+@STEP
+def test_check_kept_rows_rejects_a_row_kept_on_another_rank(case: tuple[KVBatchMeta, StepLayout]) -> None:
+    """A kept row that the train sharding gives to another rank is named, with both ranks."""
+    meta, layout = case
+    train, _ = shard_step(meta, layout, train=True)
+    if layout.dp_size == 1 or not train[0].keys:
+        return
+    key = train[0].keys[0]
+    with pytest.raises(ValueError, match=rf"row {key!r}: the log-prob call kept its results on DP rank 1, but the train call gives it to DP rank 0"):
+        check_kept_rows({key: 1}, train)
+    check_kept_rows({"not-in-this-step": 1}, train)  # a kept row the train call does not use is not an error
+
+
+def test_kept_rows_rejects_shardings_of_different_rows() -> None:
+    """Two shardings of different rank counts or keys are refused, naming the difference."""
+    forward, _ = shard_step(legacy_meta([3, 1, 2, 2]), StepLayout(dp_size=2), train=False)
+    with pytest.raises(ValueError, match=r"'train' must have one shard per rank of 'forward' \(2\): got 1"):
+        kept_rows(forward, (legacy_meta([3, 1, 2, 2]),))
+    other, _ = shard_step(legacy_meta([3, 1, 2, 2, 4, 4]), StepLayout(dp_size=2), train=False)
+    with pytest.raises(ValueError, match=r"'forward' and 'train' must shard the same keys: they differ in \['row4', 'row5'\]"):
+        kept_rows(forward, other)
 
 
 @given(st.lists(st.integers(0, 10_000), max_size=40))

@@ -91,3 +91,29 @@ def test_store_shard_refuses_columns_of_another_row_count() -> None:
         assert "'columns['advantages']' must be a tensor with one row per key (2): got (3,)" in str(error)
     else:
         raise AssertionError("a column of 3 rows for 2 keys must be refused")
+
+
+def test_store_shard_keep_names_keys_of_the_shard_and_rank_inputs_hand_each_shard_its_set() -> None:
+    """``keep`` outside the shard's keys is refused; ``rank_inputs`` gives shard r the r-th key set, or none."""
+    meta = KVBatchMeta(PARTITION, ["a", "b"], sequence_lengths=[1, 1])
+    assert StoreShard(meta, keep=["b"]).keep == frozenset({"b"})
+    try:
+        StoreShard(meta, keep={"a", "z"})
+    except ValueError as error:
+        assert "'keep' must name keys of the shard: ['z'] are not in 'meta.keys'" in str(error)
+    else:
+        raise AssertionError("a kept key outside the shard must be refused")
+    store = MemoryStore()
+    transport = _transport(store)
+    rows = _rows(store, 4)
+    shards = (rows.meta.subset([0, 1]), rows.meta.subset([2, 3]))
+    kept = (frozenset({"k1"}), frozenset())
+    inputs = transport.rank_inputs(rows, shards, [0, 1, 2, 3], ["input_ids"], keep=kept)
+    assert [i.keep for i in inputs] == list(kept)  # type: ignore[union-attr]
+    assert [i.keep for i in transport.rank_inputs(rows, shards, [0, 1, 2, 3], ["input_ids"])] == [frozenset()] * 2  # type: ignore[union-attr]
+    try:
+        transport.rank_inputs(rows, shards, [0, 1, 2, 3], ["input_ids"], keep=kept[:1])
+    except ValueError as error:
+        assert "'keep' must hold one key set per shard (2): got 1" in str(error)
+    else:
+        raise AssertionError("one key set for two shards must be refused")
