@@ -464,7 +464,9 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
                         rows = StepRows(ray.get(producer.write.remote(n, seed, cfg.max_len, partition, f"{seed}-{n}-")))
                     transport.admit(rows, {})
                     try:
-                        rows = policy.logprobs(policy.prepare(rows))
+                        rows = policy.logprobs(  # as the trainer's step calls it
+                            policy.prepare(rows), prefetch=loss.input_fields, keep_for_train=True
+                        )
                         rows = transport.write(rows, {ADVANTAGES: advantages})
                         policy.train(rows, loss)
                     finally:
