@@ -192,7 +192,7 @@ class Policy:
     ) -> StepRows:
         """``rows`` with ``prev_logprobs`` (and, with ``reference``, ``reference_policy_logprobs``) of every row.
 
-        Both come from one fetch and one write-back (or one gather) per replica.
+        Both come from one fetch and at most one write-back (or one gather) per replica.
         ``prefetch``: fields the step's ``train`` call will read (e.g. the loss's
         ``input_fields``); on the data plane each rank reads those already stored
         in the same fetch and keeps them, with what it writes back, for ``train``.

@@ -265,34 +265,38 @@ class PolicyWorker(ModelWorker):
         return build_tensordict(tensors, len(meta))
 
     def _read_rows(self, meta: KVBatchMeta, names: list[str], layout: Layout) -> TensorDict:
-        """This rank's read of ``meta``'s rows: the rows of this step it holds (:class:`shell.row_cache.StepRowCache`)
-        and the rest from the store, in ``meta.keys`` order."""
+        """This rank's read of ``meta``'s rows: the ``(row, field)`` pairs of this step it holds
+        (:class:`shell.row_cache.StepRowCache`) and the rest from the store, in ``meta.keys`` order.
+
+        Fields are grouped by the rows they miss, and each group is one store get: a step's reads are one get
+        (or none), and a row the rank holds for one field is never read from the store for it.
+        """
         pad = meta.extra_info.get(GLOBAL_FORWARD_PAD_SEQLEN)
         if layout != "padded" or pad is None or not names:
             return fetch_rank_batch(self.client, meta, names, layout=layout)
         cache, keys, pad = self._row_cache, meta.keys, int(pad)
-        whole = [name for name in names if not cache.split(keys, [name], pad)[1]]  # cached for every row
-        rest = [name for name in names if name not in whole]
-        hits, misses = cache.split(keys, rest, pad) if rest else (list(range(len(keys))), [])
-        if not whole and not hits:
-            batch = fetch_rank_batch(self.client, meta, names, layout=layout)
-            cache.remember_fetched(keys, {name: batch[name] for name in names}, pad)
-            return batch
-        columns = cache.gather(keys, whole, pad)
-        if rest and not hits:  # the rest of the fields, for every row, from the store
-            fetched = fetch_rank_batch(self.client, meta, rest, layout=layout)
-            cache.remember_fetched(keys, {name: fetched[name] for name in rest}, pad)
-            columns.update({name: fetched[name] for name in rest})
-        elif rest:
-            parts = cache.gather([keys[i] for i in hits], rest, pad)
-            if misses:
-                missed = meta.subset(misses)
-                fetched = fetch_rank_batch(self.client, missed, rest, layout=layout)
-                cache.remember_fetched(missed.keys, {name: fetched[name] for name in rest}, pad)
-                inverse = torch.empty(len(keys), dtype=torch.long)
-                inverse[torch.tensor(hits + misses, dtype=torch.long)] = torch.arange(len(keys))
-                parts = {name: torch.cat([parts[name], fetched[name]]).index_select(0, inverse) for name in rest}
-            columns.update(parts)
+        by_misses: dict[tuple[int, ...], list[str]] = {}
+        for name in names:
+            by_misses.setdefault(tuple(cache.split(keys, [name], pad)[1]), []).append(name)
+        columns: dict[str, torch.Tensor] = {}
+        for misses, fields in by_misses.items():
+            if len(misses) == len(keys):  # none held: the whole shard from the store
+                fetched = fetch_rank_batch(self.client, meta, fields, layout=layout)
+                cache.remember_fetched(keys, {name: fetched[name] for name in fields}, pad)
+                columns.update({name: fetched[name] for name in fields})
+                continue
+            missing = set(misses)
+            hits = [i for i in range(len(keys)) if i not in missing]
+            held = cache.gather([keys[i] for i in hits], fields, pad)  # before a new block can push these out
+            if not misses:
+                columns.update(held)
+                continue
+            missed = meta.subset(misses)
+            fetched = fetch_rank_batch(self.client, missed, fields, layout=layout)
+            cache.remember_fetched(missed.keys, {name: fetched[name] for name in fields}, pad)
+            inverse = torch.empty(len(keys), dtype=torch.long)
+            inverse[torch.tensor(hits + list(misses), dtype=torch.long)] = torch.arange(len(keys))
+            columns.update({name: torch.cat([held[name], fetched[name]]).index_select(0, inverse) for name in fields})
         columns[LENGTHS] = torch.tensor(meta.sequence_lengths, dtype=torch.long)
         return build_tensordict({name: columns[name] for name in [*names, LENGTHS]}, len(keys))
 
@@ -308,8 +312,9 @@ class PolicyWorker(ModelWorker):
         this rank wrote.
 
         Per-token fields (``token_fields``) are trimmed to each row's length. The leader keeps every row it
-        computed for this step's later reads (the train call); the other ranks of its replica group keep the rows
-        of ``keep``, which the store does not hold, so that the train call finds them whichever rank reads.
+        computed for this step's later reads (the train call); when every rank reads for itself
+        (``fetch_policy="independent"``), the other ranks of its replica group keep the rows of ``keep``, which
+        the store does not hold, so that the train call finds them whichever rank reads.
 
         Raises:
             ValueError: ``keep`` names rows but ``meta`` lacks the step's pad length or sequence lengths (the rows
@@ -331,7 +336,7 @@ class PolicyWorker(ModelWorker):
                 rows = torch.tensor(sent, dtype=torch.long)
                 written = {name: value.index_select(0, rows) for name, value in fields.items()}
                 write_columns(self.client, meta.subset(sent), written, token_fields=list(token_fields))
-        if cacheable and (leader or keep):
+        if cacheable and (leader or (keep and self.config.fetch_policy == "independent")):
             held = meta
             if not leader:
                 kept = [i for i, key in enumerate(meta.keys) if key in keep]
@@ -373,6 +378,7 @@ class PolicyWorker(ModelWorker):
         unknown = [n for n in names if n not in LOGPROB_OUTPUTS]
         if not names or unknown:
             raise ValueError(f"'outputs' must name some of {list(LOGPROB_OUTPUTS)}: got {list(names)}")
+        self._row_cache.clear()  # a step's rows start here: nothing of a failed step is read again
         batch = shard.rows(self, [INPUT_IDS, *self.config.replay_fields], also=prefetch)
         plan = micro_batch_spans(shard.extra_info, len(batch))
         input_ids, lengths = batch[INPUT_IDS], batch[LENGTHS]

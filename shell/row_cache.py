@@ -1,24 +1,28 @@
 """``StepRowCache``: the rows a policy rank fetched or wrote in this step, kept so the train call need not fetch them.
 
 A data-plane step fetches a rank's ``input_ids`` for the log-prob call and
-writes back the log-probs it computed; the train call of the same step then
-needs those same rows again. The rank keeps them, as the rank batch had them
-(token fields padded to the step's pad length), in *blocks* of rows; a later
-fetch of cached ``(key, field)`` pairs gathers them here and reads only the
-rest from the store.
+computes log-probs; the train call of the same step then needs those same
+rows again. The rank keeps them, as the rank batch had them (token fields
+padded to the step's pad length), in *blocks* of rows; a later fetch of
+cached ``(key, field)`` pairs gathers them here and reads only the rest from
+the store. Log-probs of rows the rank will train on itself are kept here
+only (the step's ``keep``): the store never holds them, and the train call
+reads them from this cache.
 
 Invariants:
-  * a cached row equals what the store returns for it: fetched rows are kept
-    as read, and written rows as the store round trip gives them back
-    (trimmed to each row's length, then zero-padded to the pad length, the
-    codec's :func:`core.codec.to_jagged` / :func:`core.codec.to_padded`);
+  * a cached row equals what a store round trip gives for it: fetched rows
+    are kept as read, and computed rows as the store round trip would give
+    them back (trimmed to each row's length, then zero-padded to the pad
+    length, the codec's :func:`core.codec.to_jagged` /
+    :func:`core.codec.to_padded`), whether or not they were written;
   * rows are looked up by key and the step's pad length: a row cached under
     another pad length is a miss;
-  * the cache holds at most ``max_blocks`` blocks (oldest dropped first), and
-    the worker empties it after each train call.
+  * the cache holds at most ``max_blocks`` blocks (oldest dropped first); the
+    worker empties it when a log-prob call starts and after each train call.
 
 It is safe because a step's keys are unique to the step and each ``(key,
-field)`` has exactly one writer, the replica leader that caches it.
+field)`` has exactly one writer, the replica leader, whose computed values
+every rank of its replica group holds alike.
 """
 
 from __future__ import annotations
