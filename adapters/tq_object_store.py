@@ -10,8 +10,9 @@ call instead (Ray inlines small task arguments and replies, where a
 ``ray.put`` costs about a millisecond whatever its size). The index records
 each row's location, ``(column id, row)``, per global index and field, so a
 get needs one controller lookup (which it makes anyway), one call to the
-index for the rows' locations and their columns' object refs, and one
-``ray.get``: zero-copy from the node's shared memory on the same node, Ray's
+index for the rows' locations and their columns' object refs (sent beside
+the lookup, by key, when the adapter already knows the fields' wire names:
+see :meth:`RowIndex.locate_keys`), and one ``ray.get``: zero-copy from the node's shared memory on the same node, Ray's
 own object transfer across nodes (which moves the put's whole object, all
 its large fields, even when a get asks for some of them). The put's index
 call and its controller notification run at once; the put returns when both
@@ -46,6 +47,8 @@ Invariants:
     the index does not hold (cleared, or its put not finished, after the
     controller's lookup found it) raises ``RuntimeError`` naming the field
     and the global index;
+  * a get located by key (:meth:`RowIndex.locate_keys`) reads exactly what a get located by the controller's
+    global indexes would: the adapter keeps a by-key answer only when its global indexes equal the lookup's;
   * a get never returns another key's row. Rows are found by global index,
     and TQ gives a cleared key's index to a later put; so the index records
     each row's partition and key (:data:`OWNERS`, sent by the adapter) and
@@ -286,6 +289,9 @@ class RowIndex:
         :meth:`register` of it since the index was last cleared, or ``missing``;
       * given owners, it never answers a row that a put registered under another partition or key: it
         reports ``reused`` instead;
+      * :meth:`locate_keys` answers, for each key, the global index whose latest register named that key (no
+        clear or register without owners there since, and no later register of the key elsewhere), or
+        ``unknown``;
       * a column is counted by :meth:`stats` exactly while one of its rows is the latest of its
         ``(global index, field)``: after every index is cleared, none is.
     """
@@ -294,6 +300,9 @@ class RowIndex:
         # column id -> [object ref, live rows, writer, owners: (partition, [key of each row]) or None]
         self._columns: dict[str, list[Any]] = {}
         self._rows: dict[int, dict[str, tuple[str, int]]] = {}  # global index -> {field: (column id, row)}
+        # The key each global index was last put under, by a put that named its owners, and back.
+        self._index_of: dict[tuple[str, str], int] = {}
+        self._key_of: dict[int, tuple[str, str]] = {}
 
     def register(
         self, writer: str, puts: Sequence[tuple[str, str, list[Any], Sequence[int]]], owners: Owners | None = None
@@ -305,11 +314,27 @@ class RowIndex:
         for field, column, (stored,), indexes in puts:
             self._columns[column] = [stored, len(indexes), writer, owners]
             for row, index in enumerate(indexes):
+                self._own(index, None if owners is None else (owners[0], owners[1][row]))
                 fields = self._rows.setdefault(index, {})
                 old = fields.get(field)
                 fields[field] = (column, row)
                 if old is not None:
                     self._release(old[0], 1)
+
+    def locate_keys(self, partition: str, keys: Sequence[str], fields: Sequence[str]) -> dict[str, Any]:
+        """:meth:`locate` of the global indexes that ``keys`` of ``partition`` were last put at (by puts that named
+        their owners), with those indexes under ``"indexes"``; or ``{"unknown": key}`` for the first key the index
+        holds no row of. A caller that also asked TQ's controller keeps this answer only when the controller's
+        global indexes are the same (the index may be behind or ahead of it)."""
+        indexes = []
+        for key in keys:
+            index = self._index_of.get((partition, key))
+            if index is None:
+                return {"unknown": key}
+            indexes.append(index)
+        found = self.locate(indexes, fields, (partition, keys))
+        found["indexes"] = indexes
+        return found
 
     def locate(self, indexes: Sequence[int], fields: Sequence[str], owners: Owners | None = None) -> dict[str, Any]:
         """Where the rows of ``fields`` at ``indexes`` are: ``{"locations": {field: [[column id of each index],
@@ -345,12 +370,25 @@ class RowIndex:
         released: Counter[str] = Counter()
         for index in indexes:
             released.update(column for column, _row in self._rows.pop(index, {}).values())
+            self._own(index, None)
         for column, count in released.items():
             self._release(column, count)
 
     def stats(self) -> dict[str, int]:
         """``columns`` (live column objects) and ``rows`` (global indexes holding a field)."""
         return {"columns": len(self._columns), "rows": len(self._rows)}
+
+    def _own(self, index: int, key: tuple[str, str] | None) -> None:
+        """Record that global index ``index`` is now ``key``'s (None: no known key's)."""
+        old = self._key_of.pop(index, None)
+        if old is not None and self._index_of.get(old) == index:
+            del self._index_of[old]
+        if key is not None:
+            stale = self._index_of.get(key)
+            if stale is not None and stale != index:
+                self._key_of.pop(stale, None)
+            self._index_of[key] = index
+            self._key_of[index] = key
 
     def _release(self, column: str, count: int) -> None:
         entry = self._columns.get(column)
@@ -450,6 +488,28 @@ class RayObjectStorageManager(StorageManager):
         fields = list(metadata.field_names)
         owners = _owners(metadata)
         found = await _wait(self._index.locate.remote(indexes, fields, owners))
+        return self._read(found, indexes, fields, owners)
+
+    def locate_keys(self, partition_id: str, keys: Sequence[str], fields: Sequence[str]) -> Any:
+        """Send the index a locate of ``keys``' rows of ``fields`` by key (:meth:`RowIndex.locate_keys`) and return
+        the reply's object ref at once, so that it runs while the controller's lookup of the same keys does."""
+        return self._index.locate_keys.remote(partition_id, list(keys), list(fields))
+
+    async def get_located(self, metadata: Any, located: Any) -> TensorDict:
+        """:meth:`get_data` of ``metadata`` using ``located``, the ref :meth:`locate_keys` returned for the same keys
+        and fields, when the index found every row at the global indexes ``metadata`` names; otherwise (the index
+        and the controller disagree, or a row is missing) the rows are located again by index, as ``get_data``
+        does, which raises what it finds wrong."""
+        indexes = list(metadata.global_indexes)
+        fields = list(metadata.field_names)
+        owners = _owners(metadata)
+        found = await _wait(located)
+        if found.get("indexes") != indexes or set(found.get("locations", ())) != set(fields):
+            found = await _wait(self._index.locate.remote(indexes, fields, owners))
+        return self._read(found, indexes, fields, owners)
+
+    def _read(self, found: dict[str, Any], indexes: list[int], fields: list[str], owners: Owners | None) -> TensorDict:
+        """The rows ``found`` (an index's locate reply for ``indexes`` and ``fields``) locates, read and assembled."""
         if "missing" in found:
             field, index = found["missing"]
             raise RuntimeError(
@@ -475,7 +535,7 @@ class RayObjectStorageManager(StorageManager):
             else:
                 shared.setdefault(stored, []).append((column, member))
         try:
-            for members, objects in zip(shared.values(), await _wait_all(list(shared))):
+            for members, objects in zip(shared.values(), ray.get(list(shared)) if shared else []):
                 frames.update((column, objects[member]) for column, member in members)
         except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as error:
             writers = sorted({entry[1] for entry in columns.values()})
@@ -483,8 +543,8 @@ class RayObjectStorageManager(StorageManager):
                 f"{BACKEND}: rows of fields {fields} are lost: the process that wrote them died "
                 f"(writers of these rows: {', '.join(writers)})"
             ) from error
-        columns = {field: assemble_column(field, column, frames) for field, column in locations.items()}
-        return TensorDict(columns, batch_size=[len(indexes)])
+        assembled = {field: assemble_column(field, column, frames) for field, column in locations.items()}
+        return TensorDict(assembled, batch_size=[len(indexes)])
 
     async def clear_data(self, metadata: Any) -> None:
         await _wait(self._index.clear.remote(list(metadata.global_indexes)))
@@ -505,7 +565,3 @@ async def _wait(ref: Any) -> Any:
     # A blocking get on TQ's client loop: the caller waits for this operation anyway, and Ray's own
     # blocking get answers sooner than awaiting the ref on a loop Ray does not drive.
     return ray.get(ref)
-
-
-async def _wait_all(refs: Sequence[Any]) -> list[Any]:
-    return ray.get(list(refs)) if refs else []

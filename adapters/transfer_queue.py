@@ -41,8 +41,10 @@ TQ quirks hidden here, once (TQ 0.1.11 with tensordict 0.15.3):
   * On Mooncake, clears go one field set at a time (it clears per field set).
 
 Not transactional: puts of the same key from several processes race on the
-key's tags (TQ merges tags on the client), and a TQ failure in the middle of a
-put may leave keys that already existed partly rewritten.
+key's tags (TQ merges tags on the client), a TQ failure in the middle of a
+put may leave keys that already existed partly rewritten, and a get that races
+a rewrite of its keys may read the rows from just before or just after it,
+with the tags of the other (never another key's rows).
 """
 
 from __future__ import annotations
@@ -76,10 +78,14 @@ from adapters.tq_wire import (
     select_wires,
     tag_updates,
     unknown_keys,
+    wire_name,
 )
 from core.meta import KVBatchMeta
 
 __all__ = ["TransferQueueStore", "is_running"]
+
+_WIRES_MEMO = 1024
+"""How many ``(partition, fields)`` a store remembers the wire fields of (see :meth:`TransferQueueStore._get`)."""
 
 
 async def _drop_registered(client: tq.TransferQueueClient, meta: tq.BatchMeta) -> None:
@@ -96,6 +102,20 @@ async def _drop_registered(client: tq.TransferQueueClient, meta: tq.BatchMeta) -
         with contextlib.suppress(Exception):
             await client._mark_clearing_in_controller(meta)
             await client._clear_meta_in_controller(meta)
+
+
+async def _lookup(
+    client: tq.TransferQueueClient, keys: Sequence[str], partition_id: str, wires: Sequence[str] | None
+) -> tuple[tq.BatchMeta, Any]:
+    """The controller's lookup of ``keys``; with ``wires``, also the :data:`adapters.tq_object_store.BACKEND` index's
+    locate of those wire fields of ``keys`` by key, sent once the lookup's request is out: the two are in flight at
+    once. Returns the lookup's meta and the locate's object ref (None without ``wires``)."""
+    lookup = asyncio.ensure_future(client.async_kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False))
+    located = None
+    if wires is not None:
+        await asyncio.sleep(0)  # the lookup's request leaves first
+        located = client.storage_manager.locate_keys(partition_id, keys, wires)
+    return await lookup, located
 
 
 class _TagsToSend(tq.BatchMeta):
@@ -200,6 +220,8 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         self._parts = parts if parts is not None else ActorParts(tq_system.STORE_NAME, ())
         self._deadlines = deadlines
         self._kv_backend = hold.kv_backend
+        self._by_key = hold.storage_backend == tq_object_store.BACKEND  # the index locates rows by key too
+        self._wires: dict[tuple[str, tuple[str, ...]], list[str]] = {}  # the wire fields of the last get of some names
         self._closed = False
         self._lock = threading.Lock()
 
@@ -305,15 +327,34 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
     def _get(
         self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]
     ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
-        """Columns and tags from one meta lookup; the columns decoded to the kinds the puts recorded."""
+        """Columns and tags from one meta lookup; the columns decoded to the kinds the puts recorded.
+
+        On :data:`adapters.tq_object_store.BACKEND` the index locates the rows by key while the controller's lookup
+        is in flight, for the wire fields the last get of the same names read (a field's wire name holds its kind,
+        dtype and shape, which a run's puts keep); the get uses that answer when the lookup names the same wire
+        fields and the index found every row at the global indexes the lookup gives, and locates them by index
+        otherwise. Either way the index checks each row's key.
+        """
         client = tq_system.client()
-        meta = self._call("get", client.async_kv_retrieve_meta, keys=list(keys), partition_id=partition_id, create=False)
+        memo = (partition_id, names)
+        guess = self._wires.get(memo) if self._by_key else None
+        meta, located = self._call("get", _lookup, client, keys, partition_id, guess)
         self._check_found(client, keys, partition_id, meta)
         specs = plan_get(keys, partition_id, names, meta.custom_meta)
         tags = pick_tags(meta.custom_meta, tag_names)
         selected = select_wires(meta, specs, partition_id)
         self._name_owners(selected, partition_id, keys)
-        data = self._call("get", client.storage_manager.get_data, selected)
+        if self._by_key:
+            wires = [wire_name(name, spec) for name, spec in specs.items()]
+            if len(self._wires) >= _WIRES_MEMO and memo not in self._wires:
+                self._wires.clear()
+            self._wires[memo] = wires
+            if located is None or wires != guess:
+                located = None
+        if located is not None:
+            data = self._call("get", client.storage_manager.get_located, selected, located)
+        else:
+            data = self._call("get", client.storage_manager.get_data, selected)
         return decode_columns(specs, data, len(keys), pad_rows=self._kv_backend), tags
 
     def _name_owners(self, meta: tq.BatchMeta, partition_id: str, keys: Sequence[str]) -> None:

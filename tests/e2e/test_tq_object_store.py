@@ -6,7 +6,9 @@
 * Cross-put gets: one get of rows from several puts returns each row's own data.
 * A row the index no longer holds when a get reaches it (cleared after the controller's lookup found it) raises,
   naming the field and the global index, instead of coming back empty; a row whose index a put gave to another
-  key after the lookup raises, naming both keys, instead of coming back as the other key's row.
+  key after the lookup raises, naming both keys, instead of coming back as the other key's row; both whether the
+  get located its rows by key (beside the lookup) or by index (after it).
+* A get locates its rows by key beside the controller's lookup once it knows the fields' wire names.
 * Start-up: the index started beside TransferQueue's controller is the one TransferQueue uses, and its handle
   does not stay in TransferQueue's stored config.
 * The other backend: the store contract suite passes on TransferQueue as shipped (SimpleStorage) too, in a
@@ -104,13 +106,18 @@ def test_rows_of_a_dead_writer_raise_naming_it(tq_store_session: TransferQueueSt
 
 
 @on_object_store
-def test_a_row_cleared_after_the_lookup_raises_naming_it(tq_store_session: TransferQueueStore, partition: str) -> None:
+@pytest.mark.parametrize("by_key", [False, True], ids=["by-index", "by-key"])
+def test_a_row_cleared_after_the_lookup_raises_naming_it(
+    tq_store_session: TransferQueueStore, partition: str, by_key: bool
+) -> None:
     """The index answers a get's locations; a row it dropped after the controller's lookup is an error, not a
-    silently short column."""
+    silently short column (whether the get located its rows by key, beside the lookup, or by index after it)."""
     import transfer_queue as tq
 
     store = TransferQueueStore.attach()
     store.put(["a", "b"], partition, TensorDict({"x": torch.ones(2, 3)}, batch_size=[2]))
+    if by_key:  # a first get of these fields: the next get locates its rows by key
+        store.get(["a", "b"], partition, ["x"])
     found = tq.get_client().kv_retrieve_meta(keys=["b"], partition_id=partition, create=False)
     ray.get(tq_object_store.find_index().clear.remote(list(found.global_indexes)))  # as a clear racing the get would
     with pytest.raises(RuntimeError, match=rf"no stored row of field 'x@\S+' at global index {found.global_indexes[0]}: "):
@@ -121,8 +128,9 @@ def test_a_row_cleared_after_the_lookup_raises_naming_it(tq_store_session: Trans
 
 
 @on_object_store
+@pytest.mark.parametrize("by_key", [False, True], ids=["by-index", "by-key"])
 def test_a_get_of_a_key_whose_index_was_reused_raises_naming_both_keys(
-    tq_store_session: TransferQueueStore, partition: str
+    tq_store_session: TransferQueueStore, partition: str, by_key: bool
 ) -> None:
     """A get never reads another key's row: when a put gives a cleared key's global index to another key after
     the get's lookup found it, the get raises, naming both keys, instead of returning the other key's row."""
@@ -130,6 +138,8 @@ def test_a_get_of_a_key_whose_index_was_reused_raises_naming_both_keys(
 
     store = TransferQueueStore.attach()
     store.put(["a", "b"], partition, TensorDict({"x": torch.ones(2, 3)}, batch_size=[2]))
+    if by_key:
+        store.get(["a", "b"], partition, ["x"])
     found = tq.get_client().kv_retrieve_meta(keys=["b"], partition_id=partition, create=False)
     (index,), (wire,) = found.global_indexes, found.field_names
     # What a racing clear of 'b' and a put of 'z' that took b's index leave in the index:
@@ -142,6 +152,35 @@ def test_a_get_of_a_key_whose_index_was_reused_raises_naming_both_keys(
     ):
         store.get(["a", "b"], partition, ["x"])
     assert store.get(["a"], partition, ["x"])["x"].tolist() == [[1.0, 1.0, 1.0]]
+    store.clear(["a", "b"], partition)
+    store.close()
+
+
+@on_object_store
+def test_a_get_locates_its_rows_by_key_beside_the_lookup_once_it_knows_their_wire_fields(
+    tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first get of some fields locates its rows by index after the controller's lookup; a later get of the
+    same fields uses the index's by-key answer sent beside the lookup, and returns the same rows; a rewrite with
+    another dtype changes the wire field, and that get locates by index again."""
+    store = TransferQueueStore.attach()
+    manager = tq_system.client().storage_manager
+    calls: list[str] = []
+    for name in ("get_data", "get_located"):
+        original = getattr(manager, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(manager, name, spy)
+    store.put(["a", "b"], partition, TensorDict({"x": _jagged([[1, 2], [3]])}, batch_size=[2]))
+    first = store.get(["b", "a"], partition, ["x"])["x"]
+    second = store.get(["b", "a"], partition, ["x"])["x"]
+    assert [r.tolist() for r in first.unbind()] == [r.tolist() for r in second.unbind()] == [[3], [1, 2]]
+    store.put(["a", "b"], partition, TensorDict({"x": torch.ones(2, 3, dtype=torch.float16)}, batch_size=[2]))
+    assert store.get(["a", "b"], partition, ["x"])["x"].dtype == torch.float16
+    assert calls == ["get_data", "get_located", "get_data"]
     store.clear(["a", "b"], partition)
     store.close()
 

@@ -229,3 +229,41 @@ def test_the_index_answers_the_latest_put_never_another_keys_row_and_counts_live
     assert index.stats()["columns"] == len({column for column, _, _ in model.values()})
     index.clear(list(INDEXES))
     assert index.stats() == {"columns": 0, "rows": 0}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(_put, _clear), max_size=12),
+    st.sampled_from(PARTITIONS),
+    st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True),
+    st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True),
+)
+def test_the_index_locates_by_key_only_where_the_latest_put_there_named_that_key(
+    program: list[tuple], partition: str, keys: list[str], fields: list[str]
+) -> None:
+    """``locate_keys`` reports for each key the index whose latest put named that key (no clear or unnamed put
+    there since, and no later put of the key elsewhere), or the first key that has none; and answers ``locate`` of
+    the reported indexes, with the keys as owners."""
+    index = RowIndex()
+    owner: dict[int, tuple[str, str] | None] = {}  # global index -> the key its latest put named
+    for n, op in enumerate(program):
+        if op[0] == "clear":
+            index.clear(op[1])
+            owner.update(dict.fromkeys(op[1]))
+            continue
+        _, put_partition, put_fields, rows, named = op
+        indexes, put_keys = [i for i, _ in rows], [k for _, k in rows]
+        puts = [(field, f"col{n}{field}", [(f"stored{n}{field}", None)], indexes) for field in put_fields]
+        index.register("writer", puts, (put_partition, put_keys) if named else None)
+        for i, k in rows:  # a key is at one index: a later put of it elsewhere moves it (TQ moves a key only
+            if named:      # after a clear, which a racing put may beat to the index)
+                owner.update({j: None for j, o in owner.items() if o == (put_partition, k)})
+            owner[i] = (put_partition, k) if named else None
+    found = index.locate_keys(partition, keys, fields)
+    at = {k: i for i, o in owner.items() if o is not None and o[0] == partition for k in [o[1]]}
+    if "unknown" in found:
+        assert found["unknown"] not in at
+        return
+    reported = found.pop("indexes")
+    assert reported == [at[k] for k in keys]
+    assert found == index.locate(reported, fields, (partition, keys))
