@@ -311,10 +311,11 @@ class RowIndex:
         ``(object ref, field)`` for a column inside a put's shared object and ``(frame, None)`` for one kept here;
         row ``i`` of a column holds global index ``indexes[i]``, of key ``owners[1][i]`` in partition
         ``owners[0]`` when ``owners`` is given. Releases the rows they overwrite."""
-        for field, column, (stored,), indexes in puts:
+        for i, (field, column, (stored,), indexes) in enumerate(puts):
             self._columns[column] = [stored, len(indexes), writer, owners]
             for row, index in enumerate(indexes):
-                self._own(index, None if owners is None else (owners[0], owners[1][row]))
+                if i == 0:  # every column of a put holds the same rows: record their keys once
+                    self._own(index, None if owners is None else (owners[0], owners[1][row]))
                 fields = self._rows.setdefault(index, {})
                 old = fields.get(field)
                 fields[field] = (column, row)

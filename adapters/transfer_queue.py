@@ -349,7 +349,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             if len(self._wires) >= _WIRES_MEMO and memo not in self._wires:
                 self._wires.clear()
             self._wires[memo] = wires
-            if located is None or wires != guess:
+            if wires != guess:  # a field's kind, dtype or shape changed: the by-key answer is of other wire fields
                 located = None
         if located is not None:
             data = self._call("get", client.storage_manager.get_located, selected, located)
