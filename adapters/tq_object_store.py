@@ -26,7 +26,7 @@ on every notify and every lookup, so each piece of it lengthens every put,
 get and clear, the more so the more rows.
 
 The index (:class:`ObjectStoreIndex`, one named actor per TQ system, started
-with TQ, beside its controller, and stopped with it) borrows every live column's object ref and
+with TQ, beside its controller or on a node with :data:`INDEX_RESOURCE`, and stopped with it) borrows every live column's object ref and
 counts its live rows per ``(global index, field)``. A rewrite of a field or a
 clear of a row releases that row; a column whose last row is released is
 dropped, and Ray frees a put's object once none of its columns is live.
@@ -409,9 +409,37 @@ class ObjectStoreIndex(RowIndex):
     """
 
 
-def start_index() -> Any:
-    """Start this TQ system's index actor (named :data:`INDEX_NAME`); the caller owns it."""
-    return ObjectStoreIndex.options(name=INDEX_NAME, namespace=INDEX_NAMESPACE, lifetime=None).remote()
+INDEX_RESOURCE = "required_node_resource"
+"""The key of TQ's config section ``backend.RayObjectStore`` that names a custom node resource the index needs
+(null: any node; as ``backend.SimpleStorage.required_node_resource`` places SimpleStorage's units). The index
+receives every column smaller than :data:`INLINE_BYTES` of every put, so on a cluster it decides which node's
+links carry those bytes: with a resource that only worker nodes have, the driver's node carries none of them."""
+
+INDEX_RESOURCE_SHARE = 0.001
+"""How much of the index's resource the index asks for: a token amount, so the node's count never limits it."""
+
+
+def start_index(resource: str | None = None) -> Any:
+    """Start this TQ system's index actor (named :data:`INDEX_NAME`); the caller owns it.
+
+    Args:
+        resource: a custom node resource: the index runs on a node that has it (Ray picks which); None: where Ray
+            puts it (its default policy prefers the caller's node).
+
+    Raises:
+        ValueError: no alive node of the Ray cluster has ``resource`` (checked first: Ray would leave the actor
+            pending for ever).
+    """
+    options: dict[str, Any] = {}
+    if resource is not None:
+        alive = [node for node in ray.nodes() if node.get("Alive") and node.get("Resources", {}).get(resource, 0) > 0]
+        if not alive:
+            raise ValueError(
+                f"backend.{BACKEND}.{INDEX_RESOURCE}: no alive node of the Ray cluster has the resource {resource!r}: "
+                f"start a node with `ray start --resources='{{\"{resource}\": 1}}'`, or set it to null"
+            )
+        options["resources"] = {resource: INDEX_RESOURCE_SHARE}
+    return ObjectStoreIndex.options(name=INDEX_NAME, namespace=INDEX_NAMESPACE, lifetime=None, **options).remote()
 
 
 def find_index() -> Any:
@@ -445,7 +473,7 @@ def _bootstrap(conf: Any) -> dict[str, Any]:
     """
     section = conf.backend.get(BACKEND)
     started = section.pop(STARTED_INDEX, None) if section is not None else None
-    index = started if started is not None else start_index()
+    index = started if started is not None else start_index(section.get(INDEX_RESOURCE) if section is not None else None)
     ray.get(index.stats.remote())  # started and reachable before TQ's first client
     return {"index": index}
 

@@ -75,9 +75,10 @@ class SystemHold:
 
 
 def _default_config() -> DictConfig:
-    """TQ's own defaults, plus an (empty) section for this project's backend :data:`adapters.tq_object_store.BACKEND`."""
+    """TQ's own defaults, plus a section for this project's backend :data:`adapters.tq_object_store.BACKEND` (its one
+    setting, :data:`adapters.tq_object_store.INDEX_RESOURCE`, null)."""
     conf = OmegaConf.load(resources.files("transfer_queue") / "config.yaml")
-    return OmegaConf.merge(conf, {"backend": {tq_object_store.BACKEND: {}}})  # type: ignore[return-value]
+    return OmegaConf.merge(conf, {"backend": {tq_object_store.BACKEND: {tq_object_store.INDEX_RESOURCE: None}}})  # type: ignore[return-value]
 
 
 def known_backends() -> tuple[str, ...]:
@@ -150,7 +151,8 @@ def start(config: Config | None = None) -> SystemHold:
 
     Raises:
         TypeError: ``config`` is not a mapping.
-        ValueError: an unknown storage backend (checked before anything starts).
+        ValueError: an unknown storage backend (checked before anything starts), or a placement resource that no
+            alive node has (``backend.RayObjectStore.required_node_resource``; TQ checks SimpleStorage's itself).
         RuntimeError: a TransferQueue already runs on this Ray cluster (attach to it instead).
     """
     conf = resolve_config(config)
@@ -171,7 +173,8 @@ def start(config: Config | None = None) -> SystemHold:
         if conf.backend.storage_backend == tq_object_store.BACKEND:
             # The index's process boots while TQ's controller does (each takes seconds); TQ's bootstrap of the
             # backend then waits for this one instead of starting its own.
-            early_index = tq_object_store.start_index()
+            section = conf.backend[tq_object_store.BACKEND]
+            early_index = tq_object_store.start_index(section.get(tq_object_store.INDEX_RESOURCE))
             conf.backend[tq_object_store.BACKEND][tq_object_store.STARTED_INDEX] = early_index
         try:
             tq.init(conf)

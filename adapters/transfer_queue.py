@@ -237,7 +237,8 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
 
         Raises:
             TypeError: ``config`` is not a mapping.
-            ValueError: an unknown storage backend (checked before anything starts).
+            ValueError: an unknown storage backend (checked before anything starts), or a placement resource
+                (``required_node_resource``) that no alive node has.
             RuntimeError: a TransferQueue already runs on this Ray cluster (use :meth:`attach`).
         """
         hold = tq_system.start(config)

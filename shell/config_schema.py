@@ -430,9 +430,10 @@ class DataPlaneSection:
         _at_least(1),
     )
     storage_resource: str | None = _key(
-        "a custom node resource: TransferQueue's storage units run only on nodes that have it "
-        "(backend transfer_queue only; its backend.SimpleStorage.required_node_resource; null: any node; "
-        "needs ray.address)",
+        "a custom node resource: TransferQueue's storage parts run only on nodes that have it (backend "
+        "transfer_queue: the storage units, backend.SimpleStorage.required_node_resource; tq_object_store: the "
+        "index, which holds the small columns, backend.RayObjectStore.required_node_resource); null: any node; "
+        "needs ray.address",
         _resource_name,
     )
 
@@ -476,11 +477,12 @@ class RunConfig:
                 f"(num_prompts_per_step * num_generations_per_prompt = {rows}): got {gbs}",
             )
         _check_async(self)
-        if self.data_plane.storage_resource is not None and self.data_plane.backend != StoreBackend.transfer_queue:
+        if self.data_plane.storage_resource is not None and self.data_plane.backend.tq_storage is None:
             raise ConfigError(
                 "data_plane.storage_resource",
-                "must be null unless data_plane.backend is transfer_queue (it places SimpleStorage units; "
-                f"{self.data_plane.backend.value} keeps rows elsewhere): got {self.data_plane.storage_resource!r}",
+                "must be null unless data_plane.backend is transfer_queue or tq_object_store (it places "
+                f"TransferQueue's storage parts; {self.data_plane.backend.value} has none): "
+                f"got {self.data_plane.storage_resource!r}",
             )
         if self.ray.address is None and self.data_plane.storage_resource is not None:
             raise ConfigError(

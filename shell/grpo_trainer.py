@@ -54,7 +54,7 @@ from adapters.store_port import DataPlaneClient
 from shell.config_error import ConfigError
 from shell.loss import GRPOLoss
 from shell.metering import MeteredClient
-from shell.node_placement import transfer_queue_settings
+from shell.node_placement import check_storage_resource, transfer_queue_settings
 from shell.phases import PhaseTimer
 from shell.policy import Policy, PolicyConfig
 from shell.rollout import RolloutConfig
@@ -356,6 +356,7 @@ class GRPOTrainer:
                 )
         else:
             d = self.config.data_plane
+            check_storage_resource(d.storage_resource)
             store = TransferQueueStore.start(transfer_queue_settings(wanted, d.storage_units, d.storage_resource))
         self._store = store
         return store, TransferQueueStore.attach
@@ -447,8 +448,9 @@ class GRPOTrainer:
 
     def node_ids(self) -> dict[str, Any]:
         """Where the run's processes are: the Ray node id of the driver, of each policy rank (by rank), of the
-        source's actors (by role) and of each TransferQueue storage unit this trainer started (by name)."""
-        from adapters import tq_system
+        source's actors (by role), of each TransferQueue storage unit this trainer started (``storage``, by name)
+        and of the ``RayObjectStore`` backend's index (``store_index``, on that backend only)."""
+        from adapters import tq_object_store, tq_system
         from shell.node_placement import driver_node, node_of
         from shell.worker import Worker
 
@@ -459,6 +461,8 @@ class GRPOTrainer:
             out.update(self.source.node_ids())
         if self._store is not None:
             out["storage"] = {name: node_of(unit) for name, unit in tq_system.storage_units().items()}
+            if getattr(self._store, "storage_backend", None) == tq_object_store.BACKEND:
+                out["store_index"] = node_of(tq_object_store.find_index())
         return out
 
     # ------------------------------------------------------------ weights

@@ -3,8 +3,9 @@
 ``ray.placement`` and ``ray.worker_resource`` place the policy ranks and the
 rollout engine; ``data_plane.storage_units`` and ``data_plane.storage_resource``
 place TransferQueue's storage units (TransferQueue itself spreads them:
-round-robin over the alive nodes that have the resource, see
-:func:`transfer_queue_settings`). Both use Ray's own scheduling only:
+round-robin over the alive nodes that have the resource), or on
+``RayObjectStore`` its index (see :func:`transfer_queue_settings`). Both use
+Ray's own scheduling only:
 
 * ``pack`` leaves the choice to Ray (its default policy fills the driver's
   node first);
@@ -29,6 +30,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from core.spread import spread_over_nodes
+from shell.config_error import ConfigError
 from shell.config_schema import NodePlacement
 
 RESOURCE_SHARE = 0.001
@@ -77,21 +79,45 @@ def rank_options(placement: NodePlacement, resource: str | None, count: int) -> 
     ]
 
 
+def check_storage_resource(resource: str | None) -> None:
+    """Check, before TransferQueue starts, that some alive node has ``data_plane.storage_resource`` (None: any node).
+
+    Raises:
+        ConfigError: no alive node of the cluster has ``resource`` (naming ``data_plane.storage_resource``).
+        RuntimeError: Ray is not initialised.
+    """
+    if resource is not None and not eligible_nodes(resource):
+        raise ConfigError(
+            "data_plane.storage_resource",
+            f"no alive node of the cluster has the resource {resource!r}, so TransferQueue's storage parts could "
+            f"never be placed: start nodes with `ray start --resources='{{\"{resource}\": 1}}'`, or set it to null",
+        )
+
+
 def transfer_queue_settings(storage_backend: str, storage_units: int, storage_resource: str | None) -> dict[str, Any]:
-    """TransferQueue settings (merged over its defaults) for ``storage_backend``; for ``SimpleStorage``, they
-    place ``storage_units`` units round-robin over the alive nodes that have ``storage_resource`` (any node
-    when None). Other backends keep their rows elsewhere (``RayObjectStore``: in the object store of the
-    node that wrote them), so the two placement settings do not apply to them.
+    """TransferQueue settings (merged over its defaults) for ``storage_backend``.
+
+    * ``SimpleStorage``: ``storage_units`` units, round-robin over the alive nodes that have
+      ``storage_resource`` (any node when None).
+    * ``RayObjectStore``: its index (which holds every small column) on a node that has ``storage_resource``
+      (where Ray puts it when None); its large columns stay in the object store of the node that wrote them,
+      so ``storage_units`` does not apply.
 
     Example:
         >>> transfer_queue_settings("SimpleStorage", 3, "store")["backend"]["SimpleStorage"]
         {'num_data_storage_units': 3, 'required_node_resource': 'store'}
+        >>> transfer_queue_settings("RayObjectStore", 3, "store")["backend"]["RayObjectStore"]
+        {'required_node_resource': 'store'}
     """
+    from adapters import tq_object_store  # here: it imports TransferQueue, which the other paths never load
+
     settings: dict[str, Any] = {"backend": {"storage_backend": storage_backend}}
     if storage_backend == "SimpleStorage":
         settings["backend"]["SimpleStorage"] = {
             "num_data_storage_units": storage_units, "required_node_resource": storage_resource,
         }
+    elif storage_backend == tq_object_store.BACKEND:
+        settings["backend"][tq_object_store.BACKEND] = {tq_object_store.INDEX_RESOURCE: storage_resource}
     return settings
 
 

@@ -216,8 +216,7 @@ def _owners(cluster: Any, labels: Mapping[str, str], *, driver: str | None) -> d
 def _spread(cfg: ScaleConfig) -> list[str]:
     if cfg.nodes < 2:
         return []
-    units = [f"data_plane.storage_resource={NODE_RESOURCE}"] if cfg.backend == "transfer_queue" else []
-    return ["ray.placement=spread", f"ray.worker_resource={NODE_RESOURCE}", *units]
+    return ["ray.placement=spread", f"ray.worker_resource={NODE_RESOURCE}", f"data_plane.storage_resource={NODE_RESOURCE}"]
 
 
 # ---------------------------------------------------------------- bytes per node per GRPO step
@@ -421,7 +420,7 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
 
     tq_storage = StoreBackend(cfg.backend).tq_storage
     store = TransferQueueStore.start(
-        transfer_queue_settings(tq_storage, 2, resource if cfg.backend == "transfer_queue" else None)  # type: ignore[arg-type]
+        transfer_queue_settings(tq_storage, 2, resource)  # type: ignore[arg-type]
     )
     tq_system.quiet_logs()
     partition = f"scale-rows-{uuid.uuid4().hex[:6]}"

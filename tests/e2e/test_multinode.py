@@ -4,8 +4,8 @@ own object store, hosted by ``python -m shell.bench.nodes`` in a process of its 
 The legacy path and the data plane on two TransferQueue backends run as ``python -m shell.run
 ray.address=<the cluster>`` (side by side, in subprocesses: this process keeps the session's own Ray), with the
 policy ranks and the rollout engine spread over the worker nodes (``ray.placement=spread``,
-``ray.worker_resource``); on SimpleStorage the storage units go to the worker nodes too
-(``data_plane.storage_resource``). One cluster serves the whole module.
+``ray.worker_resource``); the storage units (SimpleStorage) and the index (RayObjectStore) go to the worker nodes
+too (``data_plane.storage_resource``). One cluster serves the whole module.
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ RUN = [
 PATHS = {
     "legacy": ["data_plane.enabled=false"],
     "data_plane": ["data_plane.backend=transfer_queue", f"data_plane.storage_resource={NODE_RESOURCE}"],
-    "object_store": ["data_plane.backend=tq_object_store"],
+    "object_store": ["data_plane.backend=tq_object_store", f"data_plane.storage_resource={NODE_RESOURCE}"],
 }
 """The three runs: legacy, TransferQueue's SimpleStorage units on the worker nodes, and TransferQueue on Ray's
-object store (rows in the object store of the node that wrote them)."""
+object store (large columns in the object store of the node that wrote them, the index with the small ones on a
+worker node)."""
 PARITY_KEYS = ("reward_mean", "entropy", "loss", "kl", "grad_norm")
 START_TIMEOUT_S = 120.0
 RUN_TIMEOUT_S = 300.0
@@ -151,7 +152,8 @@ def test_multinode_places_ranks_and_storage_units_on_different_worker_nodes(
     runs: dict[str, Any], cluster: dict[str, Any]
 ) -> None:
     """The DP ranks sit on two different nodes, the storage units on more than one node, and none of them
-    (nor the rollout engine) on the driver's node, the head: only worker nodes have the resource."""
+    (nor the rollout engine, nor the object store's index) on the driver's node, the head: only worker nodes have
+    the resource."""
     head = next(n["node_id"] for n in cluster["nodes"] if n["head"])
     workers = {n["node_id"] for n in cluster["nodes"] if not n["head"]}
     for name, run in runs.items():
@@ -164,6 +166,8 @@ def test_multinode_places_ranks_and_storage_units_on_different_worker_nodes(
     assert len(storage) == 2 and set(storage.values()) == workers, storage
     assert "storage" not in runs["legacy"]["processes"]["nodes"]  # the legacy path starts no store
     assert runs["object_store"]["processes"]["nodes"].get("storage", {}) == {}  # no storage units there
+    assert runs["object_store"]["processes"]["nodes"]["store_index"] in workers  # its index (small columns)
+    assert "store_index" not in runs["data_plane"]["processes"]["nodes"]
 
 
 def test_multinode_data_plane_moves_bulk_off_the_driver(runs: dict[str, Any]) -> None:

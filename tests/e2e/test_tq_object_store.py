@@ -202,6 +202,33 @@ def test_the_index_started_beside_the_controller_is_the_one_transfer_queue_uses(
     assert held._actor_id == tq_object_store.find_index()._actor_id
 
 
+def test_an_index_resource_that_no_node_has_is_refused_before_the_index_starts(ray_cluster: None) -> None:
+    """``start_index`` with a custom resource no alive node has raises at once (Ray would leave the actor pending
+    for ever), naming TQ's setting and the resource, and starts no actor."""
+    named = {entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)}
+    with pytest.raises(ValueError) as info:
+        tq_object_store.start_index("rldp_absent_resource")
+    message = str(info.value)
+    assert f"backend.{tq_object_store.BACKEND}.{tq_object_store.INDEX_RESOURCE}" in message
+    assert "'rldp_absent_resource'" in message
+    assert {entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)} == named
+
+
+def test_a_storage_resource_that_no_node_has_names_the_config_key(ray_cluster: None) -> None:
+    """The trainer's check before TransferQueue starts: a resource some alive node has (here the node's own
+    ``node:<ip>`` resource) and None pass; one that none has raises ``ConfigError`` naming
+    ``data_plane.storage_resource`` and the resource."""
+    from shell.config_error import ConfigError
+    from shell.node_placement import check_storage_resource
+
+    check_storage_resource(None)
+    check_storage_resource(next(r for r in ray.cluster_resources() if r.startswith("node:") and "__" not in r))
+    with pytest.raises(ConfigError) as info:
+        check_storage_resource("rldp_absent_resource")
+    assert info.value.key == "data_plane.storage_resource"
+    assert "'rldp_absent_resource'" in info.value.message
+
+
 def test_contract_suite_passes_on_simple_storage() -> None:
     """The whole store contract suite, on TransferQueue's shipped SimpleStorage, in a fresh pytest process."""
     if TQ_BACKEND == "SimpleStorage":

@@ -703,12 +703,24 @@ def test_load_run_config_rejects_a_node_resource_on_an_embedded_cluster(key: str
     assert "must be null for an embedded cluster" in str(info.value)
 
 
-@pytest.mark.parametrize("backend", ["tq_object_store", "memory"])
-def test_load_run_config_rejects_a_storage_resource_without_storage_units(backend: str) -> None:
-    """data_plane.storage_resource places SimpleStorage units: with another backend it would do nothing, so it is refused."""
+def test_load_run_config_rejects_a_storage_resource_without_storage_parts() -> None:
+    """data_plane.storage_resource places TransferQueue's parts: the memory store has none, so it is refused there."""
     with _raises_naming("data_plane.storage_resource") as info:
-        load_run_config(["ray.address=auto", "data_plane.storage_resource=store", f"data_plane.backend={backend}"])
-    assert "unless data_plane.backend is transfer_queue" in str(info.value)
+        load_run_config(["ray.address=auto", "data_plane.storage_resource=store", "data_plane.backend=memory"])
+    assert "unless data_plane.backend is transfer_queue or tq_object_store" in str(info.value)
+
+
+@pytest.mark.parametrize(("backend", "section"), [("transfer_queue", "SimpleStorage"), ("tq_object_store", "RayObjectStore")])
+def test_storage_resource_places_each_transfer_queue_backend(backend: str, section: str) -> None:
+    """The resource reaches the TransferQueue setting of the chosen backend, and only that one."""
+    from shell.node_placement import transfer_queue_settings
+
+    config = load_run_config(["ray.address=auto", "data_plane.storage_resource=store", f"data_plane.backend={backend}"])
+    d = config.data_plane
+    settings = transfer_queue_settings(d.backend.tq_storage, d.storage_units, d.storage_resource)["backend"]
+    assert settings["storage_backend"] == section
+    assert settings[section]["required_node_resource"] == "store"
+    assert set(settings) == {"storage_backend", section}
 
 
 @pytest.mark.parametrize(("override", "key"), [
