@@ -84,6 +84,8 @@ from tensordict import TensorDict
 from transfer_queue.storage.bootstrap import StorageBootstrapProvider
 from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 
+from adapters.node_resource import resource_options
+
 BACKEND = "RayObjectStore"
 """The backend's name in TQ's config (``backend.storage_backend``) and factories."""
 
@@ -415,9 +417,6 @@ INDEX_RESOURCE = "required_node_resource"
 receives every column smaller than :data:`INLINE_BYTES` of every put, so on a cluster it decides which node's
 links carry those bytes: with a resource that only worker nodes have, the driver's node carries none of them."""
 
-INDEX_RESOURCE_SHARE = 0.001
-"""How much of the index's resource the index asks for: a token amount, so the node's count never limits it."""
-
 
 def start_index(resource: str | None = None) -> Any:
     """Start this TQ system's index actor (named :data:`INDEX_NAME`); the caller owns it.
@@ -430,15 +429,7 @@ def start_index(resource: str | None = None) -> Any:
         ValueError: no alive node of the Ray cluster has ``resource`` (checked first: Ray would leave the actor
             pending for ever).
     """
-    options: dict[str, Any] = {}
-    if resource is not None:
-        alive = [node for node in ray.nodes() if node.get("Alive") and node.get("Resources", {}).get(resource, 0) > 0]
-        if not alive:
-            raise ValueError(
-                f"backend.{BACKEND}.{INDEX_RESOURCE}: no alive node of the Ray cluster has the resource {resource!r}: "
-                f"start a node with `ray start --resources='{{\"{resource}\": 1}}'`, or set it to null"
-            )
-        options["resources"] = {resource: INDEX_RESOURCE_SHARE}
+    options = resource_options(resource, f"backend.{BACKEND}.{INDEX_RESOURCE}")
     return ObjectStoreIndex.options(name=INDEX_NAME, namespace=INDEX_NAMESPACE, lifetime=None, **options).remote()
 
 

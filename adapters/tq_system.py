@@ -12,7 +12,8 @@ process of the cluster and owns nothing.
 
 TQ quirks handled here: its backend processes (the ``mooncake_master``) are
 started but never stopped by TQ, so the owner stops them; its client logs a
-warning on every call (:func:`quiet_logs`).
+warning on every call (:func:`quiet_logs`); its ``init`` takes no placement
+for the controller, which this module adds (:data:`CONTROLLER_RESOURCE`).
 
 Invariant: :func:`release` shuts down exactly what the hold owns (TQ and its
 backend processes, then Ray), and a failed :func:`start` leaves nothing
@@ -22,10 +23,11 @@ running that it started.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any
 
@@ -35,6 +37,7 @@ import transfer_queue as tq
 from omegaconf import DictConfig, OmegaConf
 
 from adapters import tq_object_store
+from adapters.node_resource import resource_options
 from adapters.ray_actors import named_actor_exists
 from adapters.store_health import ActorParts, StorePart, actor_pids
 from adapters.tq_mooncake import MOONCAKE, attach_lending_no_memory, prepare_mooncake
@@ -44,6 +47,11 @@ CONTROLLER_NAMESPACE = "transfer_queue"
 STORAGE_UNIT_PREFIX = "TransferQueueStorageUnit#"
 """SimpleStorage names its storage-unit actors ``TransferQueueStorageUnit#<rank>`` in the namespace of the process
 that started TQ."""
+CONTROLLER_RESOURCE = "required_node_resource"
+"""The key of TQ's config section ``controller`` (ours: TQ 0.1.11 has no such setting) that names a custom node
+resource the controller needs (null: where Ray puts it, which is the starting process's node when it has a free CPU).
+Every put, get and clear of every process sends its metadata to the controller, so on a cluster its node carries
+that traffic: with a resource that only worker nodes have, the driver's node carries only the driver's calls."""
 STORE_NAME = "TransferQueue"
 RAY_NAMESPACE = "rl-dataplane"
 """The Ray namespace of a cluster that :func:`start` starts itself."""
@@ -75,10 +83,15 @@ class SystemHold:
 
 
 def _default_config() -> DictConfig:
-    """TQ's own defaults, plus a section for this project's backend :data:`adapters.tq_object_store.BACKEND` (its one
-    setting, :data:`adapters.tq_object_store.INDEX_RESOURCE`, null)."""
+    """TQ's own defaults, plus this project's settings, null: the controller's :data:`CONTROLLER_RESOURCE`, and a
+    section for the backend :data:`adapters.tq_object_store.BACKEND` (its one setting,
+    :data:`adapters.tq_object_store.INDEX_RESOURCE`)."""
     conf = OmegaConf.load(resources.files("transfer_queue") / "config.yaml")
-    return OmegaConf.merge(conf, {"backend": {tq_object_store.BACKEND: {tq_object_store.INDEX_RESOURCE: None}}})  # type: ignore[return-value]
+    ours = {
+        "controller": {CONTROLLER_RESOURCE: None},
+        "backend": {tq_object_store.BACKEND: {tq_object_store.INDEX_RESOURCE: None}},
+    }
+    return OmegaConf.merge(conf, ours)  # type: ignore[return-value]
 
 
 def known_backends() -> tuple[str, ...]:
@@ -152,7 +165,8 @@ def start(config: Config | None = None) -> SystemHold:
     Raises:
         TypeError: ``config`` is not a mapping.
         ValueError: an unknown storage backend (checked before anything starts), or a placement resource that no
-            alive node has (``backend.RayObjectStore.required_node_resource``; TQ checks SimpleStorage's itself).
+            alive node has (``controller.required_node_resource``, ``backend.RayObjectStore.required_node_resource``;
+            TQ checks SimpleStorage's itself).
         RuntimeError: a TransferQueue already runs on this Ray cluster (attach to it instead).
     """
     conf = resolve_config(config)
@@ -169,6 +183,7 @@ def start(config: Config | None = None) -> SystemHold:
                 f"a TransferQueue already runs on this Ray cluster (actor {CONTROLLER_NAME!r} in namespace "
                 f"{CONTROLLER_NAMESPACE!r}): join it with TransferQueueStore.attach()"
             )
+        placed = resource_options(conf.controller.get(CONTROLLER_RESOURCE), f"controller.{CONTROLLER_RESOURCE}")
         early_index = None
         if conf.backend.storage_backend == tq_object_store.BACKEND:
             # The index's process boots while TQ's controller does (each takes seconds); TQ's bootstrap of the
@@ -177,7 +192,8 @@ def start(config: Config | None = None) -> SystemHold:
             early_index = tq_object_store.start_index(section.get(tq_object_store.INDEX_RESOURCE))
             conf.backend[tq_object_store.BACKEND][tq_object_store.STARTED_INDEX] = early_index
         try:
-            tq.init(conf)
+            with _controller_options(placed):
+                tq.init(conf)
         except BaseException:
             processes = _backend_processes()
             index = _take_object_store_index() or early_index
@@ -199,6 +215,48 @@ def start(config: Config | None = None) -> SystemHold:
         storage_backend=conf.backend.storage_backend,
         backend_processes=_backend_processes(),
     )
+
+
+class _WithOptions:
+    """A Ray actor class whose ``options`` add ``extra`` to the caller's (the caller's win where both set one)."""
+
+    def __init__(self, actor_class: Any, extra: Mapping[str, Any]) -> None:
+        self._actor_class, self._extra = actor_class, dict(extra)
+
+    def options(self, **options: Any) -> Any:
+        return self._actor_class.options(**{**self._extra, **options})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._actor_class, name)
+
+
+@contextlib.contextmanager
+def _controller_options(extra: Mapping[str, Any]) -> Iterator[None]:
+    """While ``tq.init`` runs, TQ's controller is created with ``extra`` Ray options too.
+
+    TQ 0.1.11's ``init`` creates the controller as ``interface.TransferQueueController.options(name=...,
+    namespace=...)`` and takes no placement for it, so the class it looks up is swapped for one whose ``options``
+    add ``extra``, and restored afterwards, whatever happens.
+
+    Raises:
+        RuntimeError: ``extra`` is not empty and TQ's ``interface`` has no ``TransferQueueController`` (another
+            TQ version; nothing is swapped).
+    """
+    if not extra:
+        yield
+        return
+    interface = importlib.import_module("transfer_queue.interface")
+    actor_class = getattr(interface, "TransferQueueController", None)
+    if actor_class is None or not callable(getattr(actor_class, "options", None)):
+        raise RuntimeError(
+            "cannot place TransferQueue's controller: transfer_queue.interface.TransferQueueController is not a Ray "
+            f"actor class in this TransferQueue version; set controller.{CONTROLLER_RESOURCE} to null"
+        )
+    interface.TransferQueueController = _WithOptions(actor_class, extra)
+    try:
+        yield
+    finally:
+        interface.TransferQueueController = actor_class
 
 
 def attach() -> SystemHold:

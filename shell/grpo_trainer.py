@@ -448,8 +448,9 @@ class GRPOTrainer:
 
     def node_ids(self) -> dict[str, Any]:
         """Where the run's processes are: the Ray node id of the driver, of each policy rank (by rank), of the
-        source's actors (by role), of each TransferQueue storage unit this trainer started (``storage``, by name)
-        and of the ``RayObjectStore`` backend's index (``store_index``, on that backend only)."""
+        source's actors (by role), of each TransferQueue storage unit this trainer started (``storage``, by name),
+        of TransferQueue's controller (``store_controller``) and of the ``RayObjectStore`` backend's index
+        (``store_index``, on that backend only)."""
         from adapters import tq_object_store, tq_system
         from shell.node_placement import driver_node, node_of
         from shell.worker import Worker
@@ -461,7 +462,12 @@ class GRPOTrainer:
             out.update(self.source.node_ids())
         if self._store is not None:
             out["storage"] = {name: node_of(unit) for name, unit in tq_system.storage_units().items()}
-            if getattr(self._store, "storage_backend", None) == tq_object_store.BACKEND:
+            backend = getattr(self._store, "storage_backend", None)  # TransferQueue's; None on the memory store
+            if backend is not None:
+                out["store_controller"] = node_of(
+                    ray.get_actor(tq_system.CONTROLLER_NAME, namespace=tq_system.CONTROLLER_NAMESPACE)
+                )
+            if backend == tq_object_store.BACKEND:
                 out["store_index"] = node_of(tq_object_store.find_index())
         return out
 

@@ -29,12 +29,11 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from adapters.node_resource import RESOURCE_SHARE, nodes_with
 from core.spread import spread_over_nodes
 from shell.config_error import ConfigError
 from shell.config_schema import NodePlacement
 
-RESOURCE_SHARE = 0.001
-"""How much of ``ray.worker_resource`` each actor asks for: a token amount, so a node's count never limits ranks."""
 
 
 def eligible_nodes(resource: str | None) -> list[str]:
@@ -45,11 +44,9 @@ def eligible_nodes(resource: str | None) -> list[str]:
     """
     if not ray.is_initialized():
         raise RuntimeError("Ray is not initialised: connect to the cluster before placing actors")
-    return [
-        node["NodeID"]
-        for node in ray.nodes()
-        if node.get("Alive") and (resource is None or node.get("Resources", {}).get(resource, 0) > 0)
-    ]
+    if resource is not None:
+        return nodes_with(resource)
+    return [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
 
 
 def rank_options(placement: NodePlacement, resource: str | None, count: int) -> list[dict[str, Any]]:
@@ -97,6 +94,8 @@ def check_storage_resource(resource: str | None) -> None:
 def transfer_queue_settings(storage_backend: str, storage_units: int, storage_resource: str | None) -> dict[str, Any]:
     """TransferQueue settings (merged over its defaults) for ``storage_backend``.
 
+    * On every backend, the controller on a node that has ``storage_resource`` (where Ray puts it when None:
+      the driver's node, when it has a free CPU).
     * ``SimpleStorage``: ``storage_units`` units, round-robin over the alive nodes that have
       ``storage_resource`` (any node when None).
     * ``RayObjectStore``: its index (which holds every small column) on a node that has ``storage_resource``
@@ -108,10 +107,15 @@ def transfer_queue_settings(storage_backend: str, storage_units: int, storage_re
         {'num_data_storage_units': 3, 'required_node_resource': 'store'}
         >>> transfer_queue_settings("RayObjectStore", 3, "store")["backend"]["RayObjectStore"]
         {'required_node_resource': 'store'}
+        >>> transfer_queue_settings("RayObjectStore", 3, "store")["controller"]
+        {'required_node_resource': 'store'}
     """
-    from adapters import tq_object_store  # here: it imports TransferQueue, which the other paths never load
+    from adapters import tq_object_store, tq_system  # here: they import TransferQueue, which other paths never load
 
-    settings: dict[str, Any] = {"backend": {"storage_backend": storage_backend}}
+    settings: dict[str, Any] = {
+        "controller": {tq_system.CONTROLLER_RESOURCE: storage_resource},
+        "backend": {"storage_backend": storage_backend},
+    }
     if storage_backend == "SimpleStorage":
         settings["backend"]["SimpleStorage"] = {
             "num_data_storage_units": storage_units, "required_node_resource": storage_resource,

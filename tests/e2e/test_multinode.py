@@ -152,8 +152,8 @@ def test_multinode_places_ranks_and_storage_units_on_different_worker_nodes(
     runs: dict[str, Any], cluster: dict[str, Any]
 ) -> None:
     """The DP ranks sit on two different nodes, the storage units on more than one node, and none of them
-    (nor the rollout engine, nor the object store's index) on the driver's node, the head: only worker nodes have
-    the resource."""
+    (nor the rollout engine, nor TransferQueue's controller, nor the object store's index) on the driver's node,
+    the head: only worker nodes have the resource."""
     head = next(n["node_id"] for n in cluster["nodes"] if n["head"])
     workers = {n["node_id"] for n in cluster["nodes"] if not n["head"]}
     for name, run in runs.items():
@@ -168,6 +168,8 @@ def test_multinode_places_ranks_and_storage_units_on_different_worker_nodes(
     assert runs["object_store"]["processes"]["nodes"].get("storage", {}) == {}  # no storage units there
     assert runs["object_store"]["processes"]["nodes"]["store_index"] in workers  # its index (small columns)
     assert "store_index" not in runs["data_plane"]["processes"]["nodes"]
+    for name in ("data_plane", "object_store"):  # TransferQueue's controller (every call's metadata)
+        assert runs[name]["processes"]["nodes"]["store_controller"] in workers, name
 
 
 def test_multinode_data_plane_moves_bulk_off_the_driver(runs: dict[str, Any]) -> None:
@@ -207,7 +209,7 @@ def test_multinode_losing_a_storage_node_fails_the_run_naming_the_store(
         info = json.loads(processes.read_text())
         nodes = info["nodes"]
         ours = [psutil.Process(pid) for pid in _pids(info) if psutil.pid_exists(pid)]
-        busy = {nodes["driver"], nodes["rollout"], *nodes["policy"].values()}
+        busy = {nodes["driver"], nodes["rollout"], nodes["store_controller"], *nodes["policy"].values()}
         target = next(n for n in cluster["nodes"] if n["node_id"] in set(nodes["storage"].values()) - busy)
         rank = next(name.split("#")[1] for name, node in nodes["storage"].items() if node == target["node_id"])
         lost = f"TransferQueue storage unit {rank} (pid {info['store'][f'TransferQueue storage unit {rank}']})"
