@@ -179,6 +179,21 @@ def test_multinode_data_plane_moves_bulk_off_the_driver(runs: dict[str, Any]) ->
             assert b["driver_bytes"] <= 0.10 * a["driver_bytes"], f"{name} step {a['step']}"
 
 
+def test_a_storage_resource_no_node_has_ends_the_run_before_the_store_starts(
+    cluster: dict[str, Any], tmp_path: Path
+) -> None:
+    """A ``data_plane.storage_resource`` that no alive node of the cluster has ends the run with exit 2 and a
+    message naming the key and the resource, before anything waits for a part that could never be placed."""
+    command = [
+        sys.executable, "-m", "shell.run", f"ray.address={cluster['address']}", "grpo.num_steps=1",
+        "run.progress=plain", "data_plane.storage_resource=rldp_absent_resource", f"run.dir={tmp_path}",
+    ]
+    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output[-3000:]
+    assert "config key 'data_plane.storage_resource'" in output and "'rldp_absent_resource'" in output, output[-3000:]
+
+
 # ---------------------------------------------------------------- losing a whole node (runs last: it kills one)
 
 
