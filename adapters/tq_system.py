@@ -25,8 +25,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
 import os
 import subprocess
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any
@@ -150,7 +152,11 @@ def quiet_logs() -> None:
 # ---------------------------------------------------------------- life cycle
 
 
-def start(config: Config | None = None) -> SystemHold:
+START_TIMEOUT_S = 120.0
+"""How long :func:`start` waits for TQ's ``init`` (its controller, storage units or index to start) by default."""
+
+
+def start(config: Config | None = None, *, start_timeout_s: float = START_TIMEOUT_S) -> SystemHold:
     """Start TransferQueue on the current Ray cluster (or a local one); the hold owns it.
 
     If Ray is not initialised, a local cluster is started with logical CPUs
@@ -161,14 +167,20 @@ def start(config: Config | None = None) -> SystemHold:
     Args:
         config: TQ settings merged over its defaults (see :func:`resolve_config`);
             SimpleStorage unless ``backend.storage_backend`` says otherwise.
+        start_timeout_s: how long TQ's ``init`` may take. Ray leaves an actor that no node can take (no node with
+            its resource has a free CPU) pending for ever, and ``init`` waits on it; past this, the parts not
+            started yet are named in the error, and everything started is stopped.
 
     Raises:
         TypeError: ``config`` is not a mapping.
         ValueError: an unknown storage backend (checked before anything starts), or a placement resource that no
             alive node has (``controller.required_node_resource``, ``backend.RayObjectStore.required_node_resource``;
             TQ checks SimpleStorage's itself).
-        RuntimeError: a TransferQueue already runs on this Ray cluster (attach to it instead).
+        RuntimeError: a TransferQueue already runs on this Ray cluster (attach to it instead), or TQ did not start
+            within ``start_timeout_s`` (naming the parts that had not started).
     """
+    if not (isinstance(start_timeout_s, (int, float)) and math.isfinite(start_timeout_s) and start_timeout_s > 0):
+        raise ValueError(f"'start_timeout_s' must be a finite number of seconds > 0: got {start_timeout_s!r}")
     conf = resolve_config(config)
     mooncake = conf.backend.storage_backend == MOONCAKE
     if mooncake:
@@ -193,7 +205,7 @@ def start(config: Config | None = None) -> SystemHold:
             conf.backend[tq_object_store.BACKEND][tq_object_store.STARTED_INDEX] = early_index
         try:
             with _controller_options(placed):
-                tq.init(conf)
+                _init_within(conf, start_timeout_s)
         except BaseException:
             processes = _backend_processes()
             index = _take_object_store_index() or early_index
@@ -214,6 +226,51 @@ def start(config: Config | None = None) -> SystemHold:
         kv_backend=mooncake,
         storage_backend=conf.backend.storage_backend,
         backend_processes=_backend_processes(),
+    )
+
+
+def _init_within(conf: DictConfig, timeout_s: float) -> None:
+    """``tq.init(conf)``, on a thread of its own, for at most ``timeout_s``.
+
+    Past the deadline, the TQ actors that have not answered yet are named, every TQ actor of the cluster is
+    killed (which fails the ``ray.get`` that ``init`` waits in, so its thread ends), and ``RuntimeError`` is raised;
+    the caller stops what was started.
+    """
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            tq.init(conf)
+        except BaseException as error:  # handed to the caller's thread
+            outcome.append(error)
+
+    thread = threading.Thread(target=run, name="transfer-queue-init", daemon=True)
+    thread.start()
+    try:
+        thread.join(timeout_s)
+    except BaseException:  # an interrupt: end init's wait before the caller stops what was started
+        for handle in _named_parts().values():
+            with contextlib.suppress(Exception):
+                ray.kill(handle)
+        thread.join(10.0)
+        raise
+    if not thread.is_alive():
+        if outcome:
+            raise outcome[0]
+        return
+    actors = _named_parts()
+    probes = {role: handle.__ray_ready__.remote() for role, handle in actors.items()}
+    answered, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=2.0) if probes else ([], [])
+    waiting = [role for role, probe in probes.items() if probe not in set(answered)]
+    for handle in actors.values():  # fails the ray.get that init waits in
+        with contextlib.suppress(Exception):
+            ray.kill(handle)
+    thread.join(30.0)
+    late = ", ".join(waiting) if waiting else "none of its parts (its init itself was slow)"
+    raise RuntimeError(
+        f"TransferQueue did not start within {timeout_s:g} s; not started: {late}. Ray leaves an actor pending "
+        f"while no node can take it: check that a node with the resource each part needs (the settings "
+        f"controller.{CONTROLLER_RESOURCE} and backend.<storage backend>.required_node_resource) has a free CPU"
     )
 
 
@@ -307,6 +364,21 @@ def parts(timeout_s: float) -> ActorParts:
             f"no TransferQueue is running on this Ray cluster (no actor {CONTROLLER_NAME!r} in namespace "
             f"{CONTROLLER_NAMESPACE!r}): start one with TransferQueueStore.start()"
         ) from None
+    named = _named_parts()
+    named.setdefault("TransferQueue controller", controller)  # the controller first, whatever the listing saw
+    roles = ["TransferQueue controller", *(role for role in named if role != "TransferQueue controller")]
+    handles = [named[role] for role in roles]
+    pids = actor_pids(handles, timeout_s)
+    return ActorParts(STORE_NAME, [(StorePart(role, pid), h) for role, pid, h in zip(roles, pids, handles)])
+
+
+def _named_parts() -> dict[str, Any]:
+    """TQ's named actors on this Ray cluster, by role: the controller, each SimpleStorage unit by rank (found by
+    name in every namespace: TQ names them in the namespace of the process that started it), the
+    ``RayObjectStore`` index; those that exist."""
+    found: dict[str, Any] = {}
+    with contextlib.suppress(ValueError):
+        found["TransferQueue controller"] = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
     units: list[tuple[int, Any]] = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         name = entry["name"]
@@ -314,14 +386,13 @@ def parts(timeout_s: float) -> ActorParts:
         if name.startswith(STORAGE_UNIT_PREFIX) and rank.isdigit():
             with contextlib.suppress(ValueError):  # gone since the listing
                 units.append((int(rank), ray.get_actor(name, namespace=entry["namespace"])))
-    units.sort(key=lambda unit: unit[0])
-    handles = [controller, *(handle for _, handle in units)]
-    roles = ["TransferQueue controller", *(f"TransferQueue storage unit {rank}" for rank, _ in units)]
+    for rank, handle in sorted(units, key=lambda unit: unit[0]):
+        found[f"TransferQueue storage unit {rank}"] = handle
     with contextlib.suppress(ValueError):  # the RayObjectStore backend's index (no such actor on other backends)
-        handles.append(ray.get_actor(tq_object_store.INDEX_NAME, namespace=tq_object_store.INDEX_NAMESPACE))
-        roles.append("TransferQueue object-store index")
-    pids = actor_pids(handles, timeout_s)
-    return ActorParts(STORE_NAME, [(StorePart(role, pid), h) for role, pid, h in zip(roles, pids, handles)])
+        found["TransferQueue object-store index"] = ray.get_actor(
+            tq_object_store.INDEX_NAME, namespace=tq_object_store.INDEX_NAMESPACE
+        )
+    return found
 
 
 def client() -> tq.TransferQueueClient:

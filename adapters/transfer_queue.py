@@ -230,7 +230,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         return f"TransferQueueStore({role}{', closed' if self._closed else ''})"
 
     @classmethod
-    def start(cls, config: Config | None = None) -> TransferQueueStore:
+    def start(cls, config: Config | None = None, *, start_timeout_s: float = tq_system.START_TIMEOUT_S) -> TransferQueueStore:
         """Start TransferQueue on the current Ray cluster (or a local one) and own it (and Ray, if it started it).
 
         See :func:`adapters.tq_system.start`.
@@ -239,9 +239,10 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             TypeError: ``config`` is not a mapping.
             ValueError: an unknown storage backend (checked before anything starts), or a placement resource
                 (``required_node_resource``) that no alive node has.
-            RuntimeError: a TransferQueue already runs on this Ray cluster (use :meth:`attach`).
+            RuntimeError: TransferQueue did not start within ``start_timeout_s`` (naming the parts not started),
+                or a TransferQueue already runs on this Ray cluster (use :meth:`attach`).
         """
-        hold = tq_system.start(config)
+        hold = tq_system.start(config, start_timeout_s=start_timeout_s)
         try:
             return cls(hold, parts=tq_system.parts(DEFAULT_DEADLINES.probe_timeout_s))
         except BaseException:

@@ -215,6 +215,10 @@ class StepError(RuntimeError):
         super().__init__(f"step {step}: {message}")
 
 
+class StoreStartError(RuntimeError):
+    """The run's store did not start (the cause is chained); the run ends before its first step."""
+
+
 class GRPOTrainer:
     """GRPO on Ray: a rollout engine (or, async, a rollout collector and a replay buffer), megatron policy
     workers, and (by default) a store for the bulk rows.
@@ -282,6 +286,8 @@ class GRPOTrainer:
 
         Raises:
             WorkerError: a worker failed to start.
+            StoreStartError: the store failed to start (e.g. a part of it could not be placed in time).
+            ConfigError: the config does not fit the cluster (e.g. no node has ``data_plane.storage_resource``).
         """
         say = on_status or (lambda _message: None)
         timed = self.start_seconds
@@ -322,7 +328,12 @@ class GRPOTrainer:
         if not self.data_plane:
             return LegacyTransport()
         say(f"starting the store ({self.config.data_plane.backend.value})")
-        inner, inner_factory = self._open_store()
+        try:
+            inner, inner_factory = self._open_store()
+        except ConfigError:
+            raise
+        except Exception as error:
+            raise StoreStartError(f"the store failed to start: {error}") from error
         verify = self.config.data_plane.verify_integrity
         self.client = MeteredClient(inner, verify_integrity=verify)
         return DataPlaneTransport(

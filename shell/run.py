@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # megatron warns at import that optional fused kernels are absent; the local fallbacks are what we use.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed", category=UserWarning)
     from adapters import tq_system
-    from shell.grpo_trainer import GRPOTrainer, StepError  # heavy (megatron): after --help
+    from shell.grpo_trainer import GRPOTrainer, StepError, StoreStartError  # heavy (megatron): after --help
     from shell.ray_cluster import check_address
     from shell.run_dir import CONFIG_FILE, METRICS_FILE, PROCESSES_FILE, SAMPLES_FILE, plan_run_dir, prepare_run_dir
     from shell.worker_group import WorkerError
@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             trainer.save_checkpoint(run_dir, step)
                 trainer.save_checkpoint(run_dir, total)
                 console.print(f"done: {total} steps; checkpoint {escape(str(run_dir / 'checkpoint.pt'))}", highlight=False)
-            except (WorkerError, StepError) as error:
+            except (WorkerError, StepError, StoreStartError) as error:
                 console.print(f"[bold red]run failed[/] at step {step}: {escape(_summary(error))}", highlight=False)
                 status = EXIT_FAILED
             except ConfigError as error:
