@@ -152,8 +152,9 @@ def quiet_logs() -> None:
 # ---------------------------------------------------------------- life cycle
 
 
-START_TIMEOUT_S = 120.0
-"""How long :func:`start` waits for TQ's ``init`` (its controller, storage units or index to start) by default."""
+START_TIMEOUT_S = 300.0
+"""How long :func:`start` waits for TQ's ``init`` (its controller, storage units or index to start) by default: as
+long as a worker group waits for its actors (``WorkerGroup``'s ``setup_timeout_s``)."""
 
 
 def start(config: Config | None = None, *, start_timeout_s: float = START_TIMEOUT_S) -> SystemHold:
@@ -179,7 +180,9 @@ def start(config: Config | None = None, *, start_timeout_s: float = START_TIMEOU
         RuntimeError: a TransferQueue already runs on this Ray cluster (attach to it instead), or TQ did not start
             within ``start_timeout_s`` (naming the parts that had not started).
     """
-    if not (isinstance(start_timeout_s, (int, float)) and math.isfinite(start_timeout_s) and start_timeout_s > 0):
+    if isinstance(start_timeout_s, bool) or not (
+        isinstance(start_timeout_s, (int, float)) and math.isfinite(start_timeout_s) and start_timeout_s > 0
+    ):
         raise ValueError(f"'start_timeout_s' must be a finite number of seconds > 0: got {start_timeout_s!r}")
     conf = resolve_config(config)
     mooncake = conf.backend.storage_backend == MOONCAKE
@@ -205,7 +208,7 @@ def start(config: Config | None = None, *, start_timeout_s: float = START_TIMEOU
             conf.backend[tq_object_store.BACKEND][tq_object_store.STARTED_INDEX] = early_index
         try:
             with _controller_options(placed):
-                _init_within(conf, start_timeout_s)
+                _init_within(conf, start_timeout_s, _placements(conf))
         except BaseException:
             processes = _backend_processes()
             index = _take_object_store_index() or early_index
@@ -229,12 +232,36 @@ def start(config: Config | None = None, *, start_timeout_s: float = START_TIMEOU
     )
 
 
-def _init_within(conf: DictConfig, timeout_s: float) -> None:
+_INIT_JOIN_S = 45.0
+"""How long a failed start waits for TQ's ``init`` to end once its parts are killed: longer than TQ's own retry of
+a storage manager's handshake with the controller (``TQ_STORAGE_HANDSHAKE_TIMEOUT``, 30 s)."""
+
+
+def _placements(conf: DictConfig) -> dict[str, Any]:
+    """The placement settings of ``conf`` that name a resource: ``{setting: resource}``."""
+    settings = {f"controller.{CONTROLLER_RESOURCE}": conf.controller.get(CONTROLLER_RESOURCE)}
+    backend = conf.backend.storage_backend
+    section = conf.backend.get(backend)
+    if section is not None and "required_node_resource" in section:
+        settings[f"backend.{backend}.required_node_resource"] = section.get("required_node_resource")
+    return {setting: resource for setting, resource in settings.items() if resource is not None}
+
+
+def _stop_started_parts() -> None:
+    """Kill TQ's parts that this process's start made (in its namespace, where TQ names its storage units): this
+    fails the ``ray.get`` that TQ's ``init`` waits in, so its thread ends."""
+    for handle in _named_parts(ray.get_runtime_context().namespace).values():
+        with contextlib.suppress(Exception):
+            ray.kill(handle)
+
+
+def _init_within(conf: DictConfig, timeout_s: float, placements: Mapping[str, Any]) -> None:
     """``tq.init(conf)``, on a thread of its own, for at most ``timeout_s``.
 
-    Past the deadline, the TQ actors that have not answered yet are named, every TQ actor of the cluster is
-    killed (which fails the ``ray.get`` that ``init`` waits in, so its thread ends), and ``RuntimeError`` is raised;
-    the caller stops what was started.
+    Past the deadline, the TQ actors that have not answered yet are named, the parts this start made are killed
+    (:func:`_stop_started_parts`), and ``RuntimeError`` is raised once ``init`` has ended (or after
+    :data:`_INIT_JOIN_S`, which the error then says); the caller stops the rest. ``placements`` (the settings that
+    placed parts on nodes with a resource) go into the error.
     """
     outcome: list[BaseException] = []
 
@@ -249,38 +276,46 @@ def _init_within(conf: DictConfig, timeout_s: float) -> None:
     try:
         thread.join(timeout_s)
     except BaseException:  # an interrupt: end init's wait before the caller stops what was started
-        for handle in _named_parts().values():
-            with contextlib.suppress(Exception):
-                ray.kill(handle)
-        thread.join(10.0)
+        _stop_started_parts()
+        thread.join(_INIT_JOIN_S)
         raise
     if not thread.is_alive():
         if outcome:
             raise outcome[0]
         return
-    actors = _named_parts()
+    actors = _named_parts(ray.get_runtime_context().namespace)
     probes = {role: handle.__ray_ready__.remote() for role, handle in actors.items()}
     answered, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=2.0) if probes else ([], [])
     waiting = [role for role, probe in probes.items() if probe not in set(answered)]
-    for handle in actors.values():  # fails the ray.get that init waits in
-        with contextlib.suppress(Exception):
-            ray.kill(handle)
-    thread.join(30.0)
+    _stop_started_parts()
+    thread.join(_INIT_JOIN_S)
     late = ", ".join(waiting) if waiting else "none of its parts (its init itself was slow)"
+    where = (
+        "; placed by " + ", ".join(f"{setting}={resource!r}" for setting, resource in placements.items())
+        if placements else ""
+    )
+    still = f" (its init had not ended {_INIT_JOIN_S:g} s after its parts were killed)" if thread.is_alive() else ""
     raise RuntimeError(
-        f"TransferQueue did not start within {timeout_s:g} s; not started: {late}. Ray leaves an actor pending "
-        f"while no node can take it: check that a node with the resource each part needs (the settings "
-        f"controller.{CONTROLLER_RESOURCE} and backend.<storage backend>.required_node_resource) has a free CPU"
+        f"TransferQueue did not start within {timeout_s:g} s; not answering: {late}{where}. Ray leaves an actor "
+        f"pending while no node can take it (none of the nodes with its resource has a free CPU), or it was "
+        f"still booting{still}"
     )
 
 
 class _WithOptions:
-    """A Ray actor class whose ``options`` add ``extra`` to the caller's (the caller's win where both set one)."""
+    """A Ray actor class whose ``options`` add ``extra`` to the caller's; an option both set is refused (a TQ
+    that places its controller itself must not be overridden silently, nor override the placement silently)."""
 
     def __init__(self, actor_class: Any, extra: Mapping[str, Any]) -> None:
         self._actor_class, self._extra = actor_class, dict(extra)
 
     def options(self, **options: Any) -> Any:
+        both = sorted(set(options) & set(self._extra))
+        if both:
+            raise RuntimeError(
+                f"cannot place TransferQueue's controller: TransferQueue sets the Ray options {both} itself; set "
+                f"controller.{CONTROLLER_RESOURCE} to null"
+            )
         return self._actor_class.options(**{**self._extra, **options})
 
     def __getattr__(self, name: str) -> Any:
@@ -372,10 +407,10 @@ def parts(timeout_s: float) -> ActorParts:
     return ActorParts(STORE_NAME, [(StorePart(role, pid), h) for role, pid, h in zip(roles, pids, handles)])
 
 
-def _named_parts() -> dict[str, Any]:
+def _named_parts(units_namespace: str | None = None) -> dict[str, Any]:
     """TQ's named actors on this Ray cluster, by role: the controller, each SimpleStorage unit by rank (found by
-    name in every namespace: TQ names them in the namespace of the process that started it), the
-    ``RayObjectStore`` index; those that exist."""
+    name in ``units_namespace``, or in every namespace when None: TQ names them in the namespace of the process
+    that started it), the ``RayObjectStore`` index; those that exist."""
     found: dict[str, Any] = {}
     with contextlib.suppress(ValueError):
         found["TransferQueue controller"] = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
@@ -383,6 +418,8 @@ def _named_parts() -> dict[str, Any]:
     for entry in ray.util.list_named_actors(all_namespaces=True):
         name = entry["name"]
         rank = name[len(STORAGE_UNIT_PREFIX):]
+        if units_namespace is not None and entry["namespace"] != units_namespace:
+            continue
         if name.startswith(STORAGE_UNIT_PREFIX) and rank.isdigit():
             with contextlib.suppress(ValueError):  # gone since the listing
                 units.append((int(rank), ray.get_actor(name, namespace=entry["namespace"])))

@@ -430,10 +430,9 @@ class DataPlaneSection:
         _at_least(1),
     )
     storage_resource: str | None = _key(
-        "a custom node resource: TransferQueue's storage parts run only on nodes that have it (backend "
-        "transfer_queue: the storage units, backend.SimpleStorage.required_node_resource; tq_object_store: the "
-        "index, which holds the small columns, backend.RayObjectStore.required_node_resource); null: any node; "
-        "needs ray.address",
+        "a custom node resource: TransferQueue's parts run only on nodes that have it: its controller (1 CPU), "
+        "and with backend transfer_queue the storage units (1 CPU each), with tq_object_store the index, which "
+        "holds the small columns (no CPU); null: where Ray puts them; needs ray.address",
         _resource_name,
     )
 

@@ -333,7 +333,9 @@ class GRPOTrainer:
         except ConfigError:
             raise
         except Exception as error:
-            raise StoreStartError(f"the store failed to start: {error}") from error
+            resource = self.config.data_plane.storage_resource
+            hint = f" (data_plane.storage_resource={resource!r} placed its parts)" if resource is not None else ""
+            raise StoreStartError(f"the store failed to start: {error}{hint}") from error
         verify = self.config.data_plane.verify_integrity
         self.client = MeteredClient(inner, verify_integrity=verify)
         return DataPlaneTransport(

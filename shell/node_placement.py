@@ -35,7 +35,6 @@ from shell.config_error import ConfigError
 from shell.config_schema import NodePlacement
 
 
-
 def eligible_nodes(resource: str | None) -> list[str]:
     """The ids of the alive nodes of the connected cluster (those that have ``resource``, when given).
 

@@ -176,7 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 trainer.save_checkpoint(run_dir, total)
                 console.print(f"done: {total} steps; checkpoint {escape(str(run_dir / 'checkpoint.pt'))}", highlight=False)
             except (WorkerError, StepError, StoreStartError) as error:
-                console.print(f"[bold red]run failed[/] at step {step}: {escape(_summary(error))}", highlight=False)
+                where = f"at step {step}" if step >= first else "during start-up"
+                console.print(f"[bold red]run failed[/] {where}: {escape(_summary(error))}", highlight=False)
                 status = EXIT_FAILED
             except ConfigError as error:
                 console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)

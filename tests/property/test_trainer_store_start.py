@@ -10,9 +10,11 @@ from shell.config_error import ConfigError
 from shell.run_config import load_run_config
 
 
-def _trainer(monkeypatch: pytest.MonkeyPatch, failure: BaseException) -> grpo_trainer.GRPOTrainer:
+def _trainer(
+    monkeypatch: pytest.MonkeyPatch, failure: BaseException, overrides: tuple[str, ...] = ()
+) -> grpo_trainer.GRPOTrainer:
     monkeypatch.setattr(grpo_trainer, "connect_ray", lambda section, say: False)  # no cluster: the store fails first
-    trainer = grpo_trainer.GRPOTrainer(load_run_config(["run.progress=off"]))
+    trainer = grpo_trainer.GRPOTrainer(load_run_config(["run.progress=off", *overrides]))
 
     def fail() -> None:
         raise failure
@@ -37,3 +39,11 @@ def test_a_config_error_from_the_store_passes_through(monkeypatch: pytest.Monkey
     with pytest.raises(ConfigError) as info:
         trainer.start()
     assert info.value is cause
+
+
+def test_a_store_placed_by_a_resource_names_the_key_that_placed_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    cause = RuntimeError("TransferQueue did not start within 300 s; not answering: TransferQueue controller")
+    trainer = _trainer(monkeypatch, cause, ("ray.address=auto", "data_plane.storage_resource=store"))
+    with pytest.raises(grpo_trainer.StoreStartError) as info:
+        trainer.start()
+    assert str(info.value) == f"the store failed to start: {cause} (data_plane.storage_resource='store' placed its parts)"
