@@ -237,6 +237,11 @@ _INIT_JOIN_S = 45.0
 a storage manager's handshake with the controller (``TQ_STORAGE_HANDSHAKE_TIMEOUT``, 30 s)."""
 
 
+_INTERRUPTED_JOIN_S = 10.0
+"""How long an interrupted start waits for TQ's ``init`` to end once its parts are killed: an interrupt must end the
+run promptly, so less than :data:`_INIT_JOIN_S`."""
+
+
 def _placements(conf: DictConfig) -> dict[str, Any]:
     """The placement settings of ``conf`` that name a resource: ``{setting: resource}``."""
     settings = {f"controller.{CONTROLLER_RESOURCE}": conf.controller.get(CONTROLLER_RESOURCE)}
@@ -275,9 +280,9 @@ def _init_within(conf: DictConfig, timeout_s: float, placements: Mapping[str, An
     thread.start()
     try:
         thread.join(timeout_s)
-    except BaseException:  # an interrupt: end init's wait before the caller stops what was started
+    except BaseException:  # an interrupt: end init's wait before the caller stops what was started, without delay
         _stop_started_parts()
-        thread.join(_INIT_JOIN_S)
+        thread.join(_INTERRUPTED_JOIN_S)
         raise
     if not thread.is_alive():
         if outcome:

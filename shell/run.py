@@ -184,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 status = EXIT_USAGE
         except KeyboardInterrupt:  # the stopper's Interrupted, or Ray's in its stead (also while reporting a failure)
             name = f" ({stopper.signal_name})" if stopper.signal_name else ""
-            console.print(f"[yellow]interrupted{name}[/] during step {step}: shutting down cleanly", highlight=False)
+            where = f"during step {step}" if step >= first else "during start-up"
+            console.print(f"[yellow]interrupted{name}[/] {where}: shutting down cleanly", highlight=False)
             status = EXIT_INTERRUPTED
         finally:
             with stopper.cleanup(status):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -209,6 +210,31 @@ def test_run_sigterm_during_start_up_exits_130(tmp_path: Path) -> None:
     status, err, took = _finish(proc, interrupted_at)
     assert status == 130, err
     assert "interrupted (SIGTERM)" in err, err
+    assert took < EXIT_BOUND_S
+    _assert_no_orphans(list(seen))
+
+
+def test_run_sigterm_while_the_store_starts_exits_130(tmp_path: Path) -> None:
+    """SIGTERM while TransferQueue starts (its ``init`` runs on a thread of the driver, under a deadline): the
+    interrupt ends the wait at once, the parts started so far are stopped, exit 130, no process survives."""
+    proc = _start(tmp_path, "data_plane.backend=tq_object_store")
+    deadline = time.monotonic() + START_TIMEOUT_S
+    line = ""
+    while "starting the store" not in line:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run never started its store"
+        ready, _, _ = select.select([proc.stderr], [], [], 1.0)  # the run's console writes to stderr
+        if ready:
+            line = proc.stderr.readline()  # type: ignore[union-attr]
+    time.sleep(1.0)  # TransferQueue's controller and the index are booting
+    seen = set(_descendants(proc.pid))
+    interrupted_at = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    while proc.poll() is None and time.monotonic() - interrupted_at < EXIT_BOUND_S:
+        seen.update(_live_descendants(proc.pid))
+        time.sleep(0.1)
+    status, err, took = _finish(proc, interrupted_at)
+    assert status == 130, err
+    assert "interrupted (SIGTERM) during start-up" in err, err
     assert took < EXIT_BOUND_S
     _assert_no_orphans(list(seen))
 
