@@ -404,12 +404,9 @@ def parts(timeout_s: float) -> ActorParts:
             f"no TransferQueue is running on this Ray cluster (no actor {CONTROLLER_NAME!r} in namespace "
             f"{CONTROLLER_NAMESPACE!r}): start one with TransferQueueStore.start()"
         ) from None
-    named = _named_parts()
-    named.setdefault("TransferQueue controller", controller)  # the controller first, whatever the listing saw
-    roles = ["TransferQueue controller", *(role for role in named if role != "TransferQueue controller")]
-    handles = [named[role] for role in roles]
-    pids = actor_pids(handles, timeout_s)
-    return ActorParts(STORE_NAME, [(StorePart(role, pid), h) for role, pid, h in zip(roles, pids, handles)])
+    named = {"TransferQueue controller": controller, **_named_parts()}  # the controller first
+    pids = actor_pids(list(named.values()), timeout_s)
+    return ActorParts(STORE_NAME, [(StorePart(role, pid), h) for (role, h), pid in zip(named.items(), pids)])
 
 
 def _named_parts(units_namespace: str | None = None) -> dict[str, Any]:

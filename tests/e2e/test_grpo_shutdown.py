@@ -201,17 +201,7 @@ def test_run_sigterm_during_start_up_exits_130(tmp_path: Path) -> None:
         assert proc.poll() is None and time.monotonic() < deadline, "the run started no process"
         time.sleep(0.1)
         tree = _descendants(proc.pid)
-    interrupted_at = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    seen = set(tree)
-    while proc.poll() is None and time.monotonic() - interrupted_at < EXIT_BOUND_S:
-        seen.update(_live_descendants(proc.pid))  # what start-up had under way when the signal came
-        time.sleep(0.1)
-    status, err, took = _finish(proc, interrupted_at)
-    assert status == 130, err
-    assert "interrupted (SIGTERM)" in err, err
-    assert took < EXIT_BOUND_S
-    _assert_no_orphans(list(seen))
+    _sigterm_during_start_up(proc, tree, "interrupted (SIGTERM)")
 
 
 def test_run_sigterm_while_the_store_starts_exits_130(tmp_path: Path) -> None:
@@ -226,15 +216,21 @@ def test_run_sigterm_while_the_store_starts_exits_130(tmp_path: Path) -> None:
         if ready:
             line = proc.stderr.readline()  # type: ignore[union-attr]
     time.sleep(1.0)  # TransferQueue's controller and the index are booting
-    seen = set(_descendants(proc.pid))
+    _sigterm_during_start_up(proc, _descendants(proc.pid), "interrupted (SIGTERM) during start-up")
+
+
+def _sigterm_during_start_up(proc: subprocess.Popen[str], tree: list[psutil.Process], message: str) -> None:
+    """SIGTERM the starting run: it exits 130 within the bound, saying ``message``, and no process it had under way
+    (``tree``, and whatever it started until it exited) survives it."""
     interrupted_at = time.monotonic()
     proc.send_signal(signal.SIGTERM)
+    seen = set(tree)
     while proc.poll() is None and time.monotonic() - interrupted_at < EXIT_BOUND_S:
-        seen.update(_live_descendants(proc.pid))
+        seen.update(_live_descendants(proc.pid))  # what start-up had under way when the signal came
         time.sleep(0.1)
     status, err, took = _finish(proc, interrupted_at)
     assert status == 130, err
-    assert "interrupted (SIGTERM) during start-up" in err, err
+    assert message in err, err
     assert took < EXIT_BOUND_S
     _assert_no_orphans(list(seen))
 
