@@ -8,13 +8,17 @@ and for a jagged column its row offsets). The put's frames of
 ``ray.put`` in the writing process; a smaller frame travels inside the index
 call instead (Ray inlines small task arguments and replies, where a
 ``ray.put`` costs about a millisecond whatever its size). The index records
-each row's location, ``(column id, row)``, per global index and field, so a
-get needs one controller lookup (which it makes anyway), one call to the
-index for the rows' locations and their columns' object refs (sent beside
-the lookup, by key, when the adapter already knows the fields' wire names:
-see :meth:`RowIndex.locate_keys`), and one ``ray.get``: zero-copy from the node's shared memory on the same node, Ray's
-own object transfer across nodes (which moves the put's whole object, all
-its large fields, even when a get asks for some of them). The put's index
+each row's location, ``(column id, row)``, per global index and field, and
+the key each global index was last put under. A get of fields whose wire
+names the adapter already knows, that asks for no tags, is one call to the
+index, by key (:meth:`RayObjectStorageManager.get_by_key`), and one
+``ray.get``: no controller lookup. Any other get is one controller lookup,
+one call to the index for the rows' locations and their columns' object refs
+(sent beside the lookup, by key, when the adapter knows the wire names: see
+:meth:`RowIndex.locate_keys`), and one ``ray.get``. The ``ray.get`` is
+zero-copy from the node's shared memory on the same node, Ray's own object
+transfer across nodes (which moves the put's whole object, all its large
+fields, even when a get asks for some of them). The put's index
 call and its controller notification run at once; the put returns when both
 are done.
 
@@ -47,8 +51,13 @@ Invariants:
     the index does not hold (cleared, or its put not finished, after the
     controller's lookup found it) raises ``RuntimeError`` naming the field
     and the global index;
-  * a get located by key (:meth:`RowIndex.locate_keys`) reads exactly what a get located by the controller's
-    global indexes would: the adapter keeps a by-key answer only when its global indexes equal the lookup's;
+  * a get located by key (:meth:`RowIndex.locate_keys`) beside a lookup reads exactly what a get located by the
+    controller's global indexes would: the adapter keeps a by-key answer only when its global indexes equal the
+    lookup's. A get by key alone reads the rows of the latest put of each key that the index has registered (a
+    put whose index call is done counts as done, though its controller notice may still be in flight); it
+    answers only when the index holds every key and field and no row holds two wire fields of one user field
+    (a rewrite in another kind, dtype or shape, whose current wire field only the keys' tags name), and leaves
+    every other case to the lookup;
   * a get never returns another key's row. Rows are found by global index,
     and TQ gives a cleared key's index to a later put; so the index records
     each row's partition and key (:data:`OWNERS`, sent by the adapter) and
@@ -62,7 +71,9 @@ clear frees nothing). Rows are lost with their writer (see above). A put
 whose index call reaches the index after another process cleared its keys
 (a clear racing the put) leaves its rows there until TQ gives those global
 indexes to new keys and they are rewritten or cleared, or TQ stops: the
-index cannot tell such a late call from a new put of the same keys.
+index cannot tell such a late call from a new put of the same keys. Until
+then, a get by key alone of such a key returns that put's rows where the
+lookup would raise ``KeyError``.
 Only tensor columns are stored (dense or jagged); the adapter
 (:mod:`adapters.transfer_queue`) sends object columns as jagged bytes.
 """
@@ -305,6 +316,9 @@ class RowIndex:
         # The key each global index was last put under, by a put that named its owners, and back.
         self._index_of: dict[tuple[str, str], int] = {}
         self._key_of: dict[int, tuple[str, str]] = {}
+        # Global indexes where a put that named its owners added a wire field beside another wire field of the same
+        # user field (a rewrite in another kind, dtype or shape): which of the two is current, only the keys' tags say.
+        self._shadowed: set[int] = set()
 
     def register(
         self, writer: str, puts: Sequence[tuple[str, str, list[Any], Sequence[int]]], owners: Owners | None = None
@@ -315,25 +329,37 @@ class RowIndex:
         ``owners[0]`` when ``owners`` is given. Releases the rows they overwrite."""
         for i, (field, column, (stored,), indexes) in enumerate(puts):
             self._columns[column] = [stored, len(indexes), writer, owners]
+            base = _user_field(field) if owners is not None else None
             for row, index in enumerate(indexes):
                 if i == 0:  # every column of a put holds the same rows: record their keys once
                     self._own(index, None if owners is None else (owners[0], owners[1][row]))
                 fields = self._rows.setdefault(index, {})
                 old = fields.get(field)
+                if old is None and base is not None and fields and any(_user_field(f) == base for f in fields):
+                    self._shadowed.add(index)
                 fields[field] = (column, row)
                 if old is not None:
                     self._release(old[0], 1)
 
-    def locate_keys(self, partition: str, keys: Sequence[str], fields: Sequence[str]) -> dict[str, Any]:
+    def locate_keys(
+        self, partition: str, keys: Sequence[str], fields: Sequence[str], *, sole: bool = False
+    ) -> dict[str, Any]:
         """:meth:`locate` of the global indexes that ``keys`` of ``partition`` were last put at (by puts that named
         their owners), with those indexes under ``"indexes"``; or ``{"unknown": key}`` for the first key the index
         holds no row of. A caller that also asked TQ's controller keeps this answer only when the controller's
-        global indexes are the same (the index may be behind or ahead of it)."""
+        global indexes are the same (the index may be behind or ahead of it).
+
+        With ``sole``, also ``{"shadowed": key}`` for the first key whose row holds another wire field of the same
+        user field as one of ``fields`` (a rewrite of the field in another kind, dtype or shape, put through the
+        adapter): only the key's tags tell which is current, so a caller that reads without TQ's lookup
+        (:meth:`RayObjectStorageManager.get_by_key`) must not use this answer."""
         indexes = []
         for key in keys:
             index = self._index_of.get((partition, key))
             if index is None:
                 return {"unknown": key}
+            if sole and index in self._shadowed:
+                return {"shadowed": key}
             indexes.append(index)
         found = self.locate(indexes, fields, (partition, keys))
         found["indexes"] = indexes
@@ -374,6 +400,7 @@ class RowIndex:
         for index in indexes:
             released.update(column for column, _row in self._rows.pop(index, {}).values())
             self._own(index, None)
+            self._shadowed.discard(index)
         for column, count in released.items():
             self._release(column, count)
 
@@ -400,6 +427,11 @@ class RowIndex:
         entry[1] -= count
         if entry[1] <= 0:
             del self._columns[column]
+
+
+def _user_field(wire: str) -> str:
+    """The user field of an adapter's wire field ``name@kind.dtype.shape`` (see :func:`adapters.tq_wire.wire_name`)."""
+    return wire.rpartition("@")[0]
 
 
 @ray.remote(num_cpus=0)
@@ -514,6 +546,16 @@ class RayObjectStorageManager(StorageManager):
         """Send the index a locate of ``keys``' rows of ``fields`` by key (:meth:`RowIndex.locate_keys`) and return
         the reply's object ref at once, so that it runs while the controller's lookup of the same keys does."""
         return self._index.locate_keys.remote(partition_id, list(keys), list(fields))
+
+    async def get_by_key(self, partition_id: str, keys: Sequence[str], fields: Sequence[str]) -> TensorDict | None:
+        """The rows of wire ``fields`` that ``keys`` of ``partition_id`` were last put at, found by the index alone
+        (one call, no controller lookup: :meth:`RowIndex.locate_keys` with ``sole``); None when the index cannot
+        answer for every key and field (a key it does not know, a missing field, a rewrite in another wire
+        field), for the caller to read through TQ's lookup instead, which raises what is wrong."""
+        found = await _wait(self._index.locate_keys.remote(partition_id, list(keys), list(fields), sole=True))
+        if "locations" not in found:
+            return None
+        return self._read(found, found["indexes"], list(fields), (partition_id, list(keys)))
 
     async def get_located(self, metadata: Any, located: Any) -> TensorDict:
         """:meth:`get_data` of ``metadata`` using ``located``, the ref :meth:`locate_keys` returned for the same keys

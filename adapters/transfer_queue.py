@@ -73,6 +73,7 @@ from adapters.tq_wire import (
     describe_meta,
     field_set_groups,
     new_keys,
+    parse_wire_name,
     plan_get,
     plan_put,
     select_wires,
@@ -336,10 +337,19 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         dtype and shape, which a run's puts keep); the get uses that answer when the lookup names the same wire
         fields and the index found every row at the global indexes the lookup gives, and locates them by index
         otherwise. Either way the index checks each row's key.
+
+        A get that asks for no tags, of names whose wire fields a get before it learnt, skips the lookup: the
+        index alone finds the rows by key (:meth:`adapters.tq_object_store.RayObjectStorageManager.get_by_key`),
+        one call in all; when it cannot answer for every key and field, the get goes through the lookup as above.
         """
         client = tq_system.client()
         memo = (partition_id, names)
         guess = self._wires.get(memo) if self._by_key else None
+        if guess is not None and not tag_names:
+            data = self._call("get", client.storage_manager.get_by_key, partition_id, keys, guess)
+            if data is not None:
+                specs = {name: parse_wire_name(wire)[1] for name, wire in zip(names, guess)}
+                return decode_columns(specs, data, len(keys)), tuple({} for _ in keys)
         meta, located = self._call("get", _lookup, client, keys, partition_id, guess)
         self._check_found(client, keys, partition_id, meta)
         specs = plan_get(keys, partition_id, names, meta.custom_meta)

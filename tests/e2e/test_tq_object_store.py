@@ -157,32 +157,54 @@ def test_a_get_of_a_key_whose_index_was_reused_raises_naming_both_keys(
 
 
 @on_object_store
-def test_a_get_locates_its_rows_by_key_beside_the_lookup_once_it_knows_their_wire_fields(
+def test_a_get_finds_its_rows_by_key_once_it_knows_their_wire_fields(
     tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The first get of some fields locates its rows by index after the controller's lookup; a later get of the
-    same fields uses the index's by-key answer sent beside the lookup, and returns the same rows; a rewrite with
-    another dtype changes the wire field, and that get locates by index again."""
+    """The first get of some fields locates its rows by index after the controller's lookup. A later get of the
+    same fields asks the index alone, by key (no lookup); a get with tags uses the index's by-key answer sent
+    beside the lookup. All return the same rows. A rewrite with another dtype puts a second wire field beside
+    the first: the index then refuses to answer alone, and that get goes through the lookup, by index."""
     store = TransferQueueStore.attach()
     manager = tq_system.client().storage_manager
     calls: list[str] = []
-    for name in ("get_data", "get_located"):
+    for name in ("get_data", "get_located", "get_by_key"):
         original = getattr(manager, name)
 
-        def spy(*args, _name=name, _original=original, **kwargs):  # type: ignore[no-untyped-def]
-            calls.append(_name)
-            return _original(*args, **kwargs)
+        async def spy(*args, _name=name, _original=original, **kwargs):  # type: ignore[no-untyped-def]
+            out = await _original(*args, **kwargs)
+            calls.append(_name if out is not None else f"{_name}: no answer")
+            return out
 
         monkeypatch.setattr(manager, name, spy)
-    store.put(["a", "b"], partition, TensorDict({"x": _jagged([[1, 2], [3]])}, batch_size=[2]))
-    first = store.get(["b", "a"], partition, ["x"])["x"]
-    second = store.get(["b", "a"], partition, ["x"])["x"]
-    assert [r.tolist() for r in first.unbind()] == [r.tolist() for r in second.unbind()] == [[3], [1, 2]]
+    lookups = _count_lookups(monkeypatch)
+    store.put(["a", "b"], partition, TensorDict({"x": _jagged([[1, 2], [3]])}, batch_size=[2]), tags=[{"t": 1}, {"t": 2}])
+    first = store.get(["b", "a"], partition, ["x"])
+    looked_up = len(lookups)
+    second = store.get(["b", "a"], partition, ["x"])
+    assert len(lookups) == looked_up  # the index alone answered
+    third, tags = store.get_with_tags(["b", "a"], partition, ["x"], ["t"])
+    assert [[r.tolist() for r in column["x"].unbind()] for column in (first, second, third)] == [[[3], [1, 2]]] * 3
+    assert tags == ({"t": 2}, {"t": 1})
     store.put(["a", "b"], partition, TensorDict({"x": torch.ones(2, 3, dtype=torch.float16)}, batch_size=[2]))
     assert store.get(["a", "b"], partition, ["x"])["x"].dtype == torch.float16
-    assert calls == ["get_data", "get_located", "get_data"]
+    assert calls == ["get_data", "get_by_key", "get_located", "get_by_key: no answer", "get_data"]
     store.clear(["a", "b"], partition)
+    with pytest.raises(KeyError, match="not stored"):  # cleared: the index does not know them, the lookup says so
+        store.get(["a", "b"], partition, ["x"])
     store.close()
+
+
+def _count_lookups(monkeypatch: pytest.MonkeyPatch) -> list[None]:
+    """A list that grows by one at each controller key lookup of this process's TQ client."""
+    client = tq_system.client()
+    original, seen = client.async_kv_retrieve_meta, []
+
+    async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(None)
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(client, "async_kv_retrieve_meta", counted)
+    return seen
 
 
 @on_object_store

@@ -267,3 +267,60 @@ def test_the_index_locates_by_key_only_where_the_latest_put_there_named_that_key
     reported = found.pop("indexes")
     assert reported == [at[k] for k in keys]
     assert found == index.locate(reported, fields, (partition, keys))
+
+
+WIRES = ("a@jagged.int64.", "a@dense.float16.3", "b@jagged.int64.")
+_wire_put = st.tuples(
+    st.just("put"),
+    st.sampled_from(PARTITIONS),
+    st.lists(st.sampled_from(WIRES), min_size=1, max_size=3, unique=True),
+    st.lists(st.tuples(st.sampled_from(INDEXES), st.sampled_from(KEYS)), min_size=1, max_size=6, unique_by=lambda r: r[0]),
+    st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(_wire_put, _clear), max_size=12),
+    st.sampled_from(PARTITIONS),
+    st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True),
+    st.lists(st.sampled_from(WIRES), min_size=1, max_size=2, unique=True),
+)
+def test_a_sole_locate_by_key_refuses_rows_that_hold_two_wire_fields_of_one_field(
+    program: list[tuple], partition: str, keys: list[str], fields: list[str]
+) -> None:
+    """``locate_keys(..., sole=True)`` answers what ``locate_keys`` answers, except that it reports the first key
+    whose row a put naming its owners gave a second wire field of one user field (a rewrite in another kind, dtype
+    or shape; since that row's last clear): only the key's tags say which of the two is current."""
+    index = RowIndex()
+    held: dict[int, set[str]] = {}  # global index -> wire fields it holds
+    shadowed: set[int] = set()
+    for n, op in enumerate(program):
+        if op[0] == "clear":
+            index.clear(op[1])
+            for i in op[1]:
+                held.pop(i, None)
+                shadowed.discard(i)
+            continue
+        _, put_partition, put_fields, rows, named = op
+        indexes, put_keys = [i for i, _ in rows], [k for _, k in rows]
+        puts = [(field, f"col{n}{field}", [(f"stored{n}{field}", None)], indexes) for field in put_fields]
+        index.register("writer", puts, (put_partition, put_keys) if named else None)
+        for field in put_fields:
+            for i in indexes:
+                there = held.setdefault(i, set())
+                if named and field not in there and any(f.split("@")[0] == field.split("@")[0] for f in there):
+                    shadowed.add(i)
+                there.add(field)
+    plain = index.locate_keys(partition, keys, fields)
+    sole = index.locate_keys(partition, keys, fields, sole=True)
+    first_unknown = keys.index(plain["unknown"]) if "unknown" in plain else len(keys)
+    reached = keys[:first_unknown]
+    at = {}
+    for key in reached:  # the indexes of the keys before the first unknown one (all known to the index)
+        at[key] = index.locate_keys(partition, [key], fields[:1])["indexes"][0] if fields else None
+    blocked = [key for key in reached if at[key] in shadowed]
+    if blocked:
+        assert sole == {"shadowed": blocked[0]}
+    else:
+        assert sole == plain
