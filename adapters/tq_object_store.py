@@ -57,7 +57,8 @@ Invariants:
     put whose index call is done counts as done, though its controller notice may still be in flight); it
     answers only when the index holds every key and field and no row holds two wire fields of one user field
     (a rewrite in another kind, dtype or shape, whose current wire field only the keys' tags name), and leaves
-    every other case to the lookup;
+    every other case to the lookup. A put that fails after its index call (its keys' tags set back, or the keys
+    dropped) has the index forget its keys (:meth:`RowIndex.forget_keys`), so their gets go by the lookup;
   * a get never returns another key's row. Rows are found by global index,
     and TQ gives a cleared key's index to a later put; so the index records
     each row's partition and key (:data:`OWNERS`, sent by the adapter) and
@@ -404,6 +405,17 @@ class RowIndex:
         for column, count in released.items():
             self._release(column, count)
 
+    def forget_keys(self, partition: str, keys: Sequence[str]) -> None:
+        """Stop answering ``keys`` of ``partition`` by key (:meth:`locate_keys` reports them unknown until a later
+        put names them again); their rows stay, and :meth:`locate` by global index still finds them.
+
+        A put that failed after its rows reached the index calls this: its keys' tags were set back, or the keys
+        dropped, so which rows and fields the keys hold now only TQ's lookup can say."""
+        for key in keys:
+            index = self._index_of.pop((partition, key), None)
+            if index is not None and self._key_of.get(index) == (partition, key):
+                del self._key_of[index]
+
     def stats(self) -> dict[str, int]:
         """``columns`` (live column objects) and ``rows`` (global indexes holding a field)."""
         return {"columns": len(self._columns), "rows": len(self._rows)}
@@ -541,6 +553,11 @@ class RayObjectStorageManager(StorageManager):
         owners = _owners(metadata)
         found = await _wait(self._index.locate.remote(indexes, fields, owners))
         return self._read(found, indexes, fields, owners)
+
+    def forget_keys(self, partition_id: str, keys: Sequence[str]) -> None:
+        """Send the index :meth:`RowIndex.forget_keys` without waiting for it. Ray runs one caller's calls to an
+        actor in the order they were sent, so it lands after any put's index call this process sent before."""
+        self._index.forget_keys.remote(partition_id, list(keys))
 
     def locate_keys(self, partition_id: str, keys: Sequence[str], fields: Sequence[str]) -> Any:
         """Send the index a locate of ``keys``' rows of ``fields`` by key (:meth:`RowIndex.locate_keys`) and return

@@ -170,9 +170,12 @@ async def _write(
             client.storage_manager.put_data(payload, meta), client.async_set_custom_meta(tags), return_exceptions=True
         )
     except asyncio.CancelledError:  # the call's deadline passed: set the old tags back, best effort, after it
+        _forget_keys(client, meta)
         if undo is not None:
             asyncio.ensure_future(client.async_set_custom_meta(undo))
         raise
+    if isinstance(stored, BaseException) or isinstance(tagged, BaseException):
+        _forget_keys(client, meta)
     if isinstance(stored, BaseException) and not isinstance(tagged, BaseException) and undo is not None:
         try:
             await client.async_set_custom_meta(undo)
@@ -181,6 +184,18 @@ async def _write(
     for outcome in (stored, tagged):
         if isinstance(outcome, BaseException):
             raise outcome
+
+
+def _forget_keys(client: tq.TransferQueueClient, meta: tq.BatchMeta) -> None:
+    """After a failed put, on a backend whose index answers gets by key alone: have it answer these keys no more
+    (:meth:`adapters.tq_object_store.RowIndex.forget_keys`), since their rows may have reached it while their tags
+    were set back (or the keys dropped). Runs on TQ's client loop once both halves of the put are done, so the index
+    gets it after the put's own call; never raises."""
+    forget = getattr(client.storage_manager, "forget_keys", None)
+    owners = meta.extra_info.get(tq_object_store.OWNERS)
+    if forget is not None and owners is not None:
+        with contextlib.suppress(Exception):
+            forget(*owners)
 
 
 # ---------------------------------------------------------------- stores

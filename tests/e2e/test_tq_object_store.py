@@ -194,6 +194,43 @@ def test_a_get_finds_its_rows_by_key_once_it_knows_their_wire_fields(
     store.close()
 
 
+@on_object_store
+@pytest.mark.parametrize("fails", ["notice", "tags"])
+def test_a_put_failing_after_its_rows_reached_the_index_leaves_no_row_a_get_by_key_would_read(
+    tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch, fails: str
+) -> None:
+    """A put whose controller notice (or tag update) fails after its index call has set its rows in the index, while
+    the keys' tags are set back (a rewrite) or the keys dropped (new keys). The store already knows the wire field
+    of ``y`` (another key's get), so without more a get by key alone would read the failed put's rows. The failed
+    put has the index forget its keys: the get goes through the lookup and raises ``KeyError``, as the port says."""
+    store = TransferQueueStore.attach()
+    manager = tq_system.client().storage_manager
+    y = TensorDict({"y": torch.ones(1, 2)}, batch_size=[1])
+    store.put(["k"], partition, TensorDict({"x": torch.tensor([7])}, batch_size=[1]))
+    store.put(["other"], partition, y)
+    store.get(["other"], partition, ["y"])  # now the store knows y's wire field: a get of y may ask the index alone
+    store.get(["k"], partition, ["x"])
+
+    async def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ConnectionError("controller went away")
+
+    if fails == "notice":
+        monkeypatch.setattr(manager, "notify_data_update", failing)
+    else:
+        monkeypatch.setattr(tq_system.client(), "async_set_custom_meta", failing)
+    for keys in (["k"], ["new"]):
+        with pytest.raises(ConnectionError, match="controller went away"):
+            store.put(keys, partition, TensorDict({"y": torch.full((1, 2), 5.0)}, batch_size=[1]))
+    monkeypatch.undo()
+    for key in ("k", "new"):
+        with pytest.raises(KeyError):
+            store.get([key], partition, ["y"])
+    assert store.get(["k"], partition, ["x"])["x"].tolist() == [7]  # by key again once a get of k went by the lookup
+    assert store.get(["other"], partition, ["y"])["y"].tolist() == [[1.0, 1.0]]
+    store.clear(["k", "other"], partition)
+    store.close()
+
+
 def _count_lookups(monkeypatch: pytest.MonkeyPatch) -> list[None]:
     """A list that grows by one at each controller key lookup of this process's TQ client."""
     client = tq_system.client()

@@ -324,3 +324,33 @@ def test_a_sole_locate_by_key_refuses_rows_that_hold_two_wire_fields_of_one_fiel
         assert sole == {"shadowed": blocked[0]}
     else:
         assert sole == plain
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.one_of(_put, _clear), max_size=10),
+    st.sampled_from(PARTITIONS),
+    st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True),
+    st.lists(st.sampled_from(INDEXES), min_size=1, max_size=6, unique=True),
+)
+def test_a_forgotten_key_is_unknown_by_key_and_its_rows_stay_by_index(
+    program: list[tuple], partition: str, forgotten: list[str], indexes: list[int]
+) -> None:
+    """After ``forget_keys``, ``locate_keys`` reports a forgotten key unknown (alone or first among others), while
+    ``locate`` by global index answers what it answered before, and other keys are answered as before."""
+    index = RowIndex()
+    for n, op in enumerate(program):
+        if op[0] == "clear":
+            index.clear(op[1])
+            continue
+        _, put_partition, put_fields, rows, named = op
+        puts = [(field, f"col{n}{field}", [(f"stored{n}{field}", None)], [i for i, _ in rows]) for field in put_fields]
+        index.register("writer", puts, (put_partition, [k for _, k in rows]) if named else None)
+    before = index.locate(indexes, FIELDS)
+    others = [key for key in KEYS if key not in forgotten]
+    answered = {key: index.locate_keys(partition, [key], FIELDS[:1]) for key in others}
+    index.forget_keys(partition, forgotten)
+    assert index.locate(indexes, FIELDS) == before
+    for key in forgotten:
+        assert index.locate_keys(partition, [key, *others], FIELDS[:1]) == {"unknown": key}
+    assert {key: index.locate_keys(partition, [key], FIELDS[:1]) for key in others} == answered
