@@ -8,9 +8,15 @@
   answers the latest put's column and row of each ``(global index, field)``, or the first missing one; given
   the keys the caller looked up, it never answers another key's row (it reports the first reused one); and
   it counts exactly the columns that still hold a latest row, none once every index is cleared.
+* By key: ``locate_keys`` answers the index each key's latest naming put gave it, or the first unknown key;
+  with ``sole`` it also refuses the first key whose row holds two wire fields of one field; after
+  ``forget_keys`` a forgotten key is unknown while every row stays where ``locate`` finds it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import hypothesis.strategies as st
 import numpy as np
@@ -168,13 +174,20 @@ def test_assembly_of_a_column_with_no_values_and_one_with_some() -> None:
 
 INDEXES, FIELDS, KEYS, PARTITIONS = range(6), ("a", "b", "c"), ("k0", "k1", "k2", "k3"), ("p", "q")
 
-_put = st.tuples(
-    st.just("put"),
-    st.sampled_from(PARTITIONS),
-    st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True),
-    st.lists(st.tuples(st.sampled_from(INDEXES), st.sampled_from(KEYS)), min_size=1, max_size=6, unique_by=lambda r: r[0]),
-    st.booleans(),  # whether the put names its owners (TQ's own put does not)
-)
+
+
+def _puts_of(fields: Sequence[str]) -> st.SearchStrategy[tuple]:
+    """Puts of some of ``fields`` to rows ``(global index, key)`` of a partition."""
+    return st.tuples(
+        st.just("put"),
+        st.sampled_from(PARTITIONS),
+        st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True),
+        st.lists(st.tuples(st.sampled_from(INDEXES), st.sampled_from(KEYS)), min_size=1, max_size=6, unique_by=lambda r: r[0]),
+        st.booleans(),  # whether the put names its owners (TQ's own put does not)
+    )
+
+
+_put = _puts_of(FIELDS)
 _clear = st.tuples(st.just("clear"), st.lists(st.sampled_from(INDEXES), max_size=6, unique=True))
 _query = st.tuples(
     st.lists(st.sampled_from(INDEXES), min_size=1, max_size=6, unique=True),
@@ -199,6 +212,16 @@ def _expected(model: dict, query: tuple) -> dict:
     return {"locations": {f: [[model[x, f][0] for x in indexes], [model[x, f][1] for x in indexes]] for f in fields}}
 
 
+def _apply(index: RowIndex, n: int, op: tuple) -> None:
+    """Run op ``n`` of a program on ``index``: a clear, or a put whose columns are named after ``n`` and the field."""
+    if op[0] == "clear":
+        index.clear(op[1])
+        return
+    _, partition, fields, rows, named = op
+    puts = [(field, f"col{n}{field}", [(f"stored{n}{field}", None)], [i for i, _ in rows]) for field in fields]
+    index.register("writer", puts, (partition, [k for _, k in rows]) if named else None)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.one_of(_put, _clear), max_size=12), st.lists(_query, min_size=1, max_size=4))
 def test_the_index_answers_the_latest_put_never_another_keys_row_and_counts_live_columns(
@@ -206,14 +229,11 @@ def test_the_index_answers_the_latest_put_never_another_keys_row_and_counts_live
 ) -> None:
     index, model = RowIndex(), {}
     for n, op in enumerate(program):
+        _apply(index, n, op)
         if op[0] == "clear":
-            index.clear(op[1])
             model = {at: where for at, where in model.items() if at[0] not in op[1]}
             continue
         _, partition, fields, rows, named = op
-        indexes, keys = [i for i, _ in rows], [k for _, k in rows]
-        puts = [(field, f"col{n}{field}", [(f"stored{n}{field}", None)], indexes) for field in fields]
-        index.register("writer", puts, (partition, keys) if named else None)
         for field in fields:
             for row, (i, key) in enumerate(rows):
                 model[i, field] = (f"col{n}{field}", row, (partition, key) if named else None)
@@ -231,13 +251,18 @@ def test_the_index_answers_the_latest_put_never_another_keys_row_and_counts_live
     assert index.stats() == {"columns": 0, "rows": 0}
 
 
+def _by_key_cases(put: st.SearchStrategy[tuple], fields: Sequence[str], max_fields: int) -> Any:
+    """``@given`` of a program of puts and clears, a partition, some keys and up to ``max_fields`` of ``fields``."""
+    return given(
+        st.lists(st.one_of(put, _clear), max_size=12),
+        st.sampled_from(PARTITIONS),
+        st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True),
+        st.lists(st.sampled_from(fields), min_size=1, max_size=max_fields, unique=True),
+    )
+
+
 @settings(max_examples=300, deadline=None)
-@given(
-    st.lists(st.one_of(_put, _clear), max_size=12),
-    st.sampled_from(PARTITIONS),
-    st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True),
-    st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True),
-)
+@_by_key_cases(_put, FIELDS, 3)
 def test_the_index_locates_by_key_only_where_the_latest_put_there_named_that_key(
     program: list[tuple], partition: str, keys: list[str], fields: list[str]
 ) -> None:
@@ -247,14 +272,11 @@ def test_the_index_locates_by_key_only_where_the_latest_put_there_named_that_key
     index = RowIndex()
     owner: dict[int, tuple[str, str] | None] = {}  # global index -> the key its latest put named
     for n, op in enumerate(program):
+        _apply(index, n, op)
         if op[0] == "clear":
-            index.clear(op[1])
             owner.update(dict.fromkeys(op[1]))
             continue
-        _, put_partition, put_fields, rows, named = op
-        indexes, put_keys = [i for i, _ in rows], [k for _, k in rows]
-        puts = [(field, f"col{n}{field}", [(f"stored{n}{field}", None)], indexes) for field in put_fields]
-        index.register("writer", puts, (put_partition, put_keys) if named else None)
+        _, put_partition, _fields, rows, named = op
         for i, k in rows:  # a key is at one index: a later put of it elsewhere moves it (TQ moves a key only
             if named:      # after a clear, which a racing put may beat to the index)
                 owner.update({j: None for j, o in owner.items() if o == (put_partition, k)})
@@ -270,22 +292,11 @@ def test_the_index_locates_by_key_only_where_the_latest_put_there_named_that_key
 
 
 WIRES = ("a@jagged.int64.", "a@dense.float16.3", "b@jagged.int64.")
-_wire_put = st.tuples(
-    st.just("put"),
-    st.sampled_from(PARTITIONS),
-    st.lists(st.sampled_from(WIRES), min_size=1, max_size=3, unique=True),
-    st.lists(st.tuples(st.sampled_from(INDEXES), st.sampled_from(KEYS)), min_size=1, max_size=6, unique_by=lambda r: r[0]),
-    st.booleans(),
-)
+_wire_put = _puts_of(WIRES)
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    st.lists(st.one_of(_wire_put, _clear), max_size=12),
-    st.sampled_from(PARTITIONS),
-    st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True),
-    st.lists(st.sampled_from(WIRES), min_size=1, max_size=2, unique=True),
-)
+@_by_key_cases(_wire_put, WIRES, 2)
 def test_a_sole_locate_by_key_refuses_rows_that_hold_two_wire_fields_of_one_field(
     program: list[tuple], partition: str, keys: list[str], fields: list[str]
 ) -> None:
@@ -296,18 +307,15 @@ def test_a_sole_locate_by_key_refuses_rows_that_hold_two_wire_fields_of_one_fiel
     held: dict[int, set[str]] = {}  # global index -> wire fields it holds
     shadowed: set[int] = set()
     for n, op in enumerate(program):
+        _apply(index, n, op)
         if op[0] == "clear":
-            index.clear(op[1])
             for i in op[1]:
                 held.pop(i, None)
                 shadowed.discard(i)
             continue
-        _, put_partition, put_fields, rows, named = op
-        indexes, put_keys = [i for i, _ in rows], [k for _, k in rows]
-        puts = [(field, f"col{n}{field}", [(f"stored{n}{field}", None)], indexes) for field in put_fields]
-        index.register("writer", puts, (put_partition, put_keys) if named else None)
+        _, _partition, put_fields, rows, named = op
         for field in put_fields:
-            for i in indexes:
+            for i, _key in rows:
                 there = held.setdefault(i, set())
                 if named and field not in there and any(f.split("@")[0] == field.split("@")[0] for f in there):
                     shadowed.add(i)
@@ -340,12 +348,7 @@ def test_a_forgotten_key_is_unknown_by_key_and_its_rows_stay_by_index(
     ``locate`` by global index answers what it answered before, and other keys are answered as before."""
     index = RowIndex()
     for n, op in enumerate(program):
-        if op[0] == "clear":
-            index.clear(op[1])
-            continue
-        _, put_partition, put_fields, rows, named = op
-        puts = [(field, f"col{n}{field}", [(f"stored{n}{field}", None)], [i for i, _ in rows]) for field in put_fields]
-        index.register("writer", puts, (put_partition, [k for _, k in rows]) if named else None)
+        _apply(index, n, op)
     before = index.locate(indexes, FIELDS)
     others = [key for key in KEYS if key not in forgotten]
     answered = {key: index.locate_keys(partition, [key], FIELDS[:1]) for key in others}
