@@ -350,10 +350,10 @@ class RowIndex:
         holds no row of. A caller that also asked TQ's controller keeps this answer only when the controller's
         global indexes are the same (the index may be behind or ahead of it).
 
-        With ``sole``, also ``{"shadowed": key}`` for the first key whose row holds another wire field of the same
-        user field as one of ``fields`` (a rewrite of the field in another kind, dtype or shape, put through the
-        adapter): only the key's tags tell which is current, so a caller that reads without TQ's lookup
-        (:meth:`RayObjectStorageManager.get_by_key`) must not use this answer."""
+        With ``sole``, also ``{"shadowed": key}`` for the first key whose row holds two wire fields of one user
+        field, any field, asked for or not (a rewrite in another kind, dtype or shape, put through the adapter, since
+        the row's last clear): only the key's tags tell which is current, so a caller that reads without TQ's lookup
+        (:meth:`RayObjectStorageManager.get_by_key`) does not read such a row."""
         indexes = []
         for key in keys:
             index = self._index_of.get((partition, key))
