@@ -235,7 +235,8 @@ def apply_cpu_shim() -> None:
     if not moe_utils.HAVE_TE:
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
     BackwardCFunction.apply = _remapped_backward(BackwardCFunction.apply)  # type: ignore[method-assign]
-    BackwardCFunction.apply_boxed = _remapped_backward(BackwardCFunction.apply_boxed)  # type: ignore[method-assign]
+    if hasattr(BackwardCFunction, "apply_boxed"):  # torch 2.13's second backward entry; torch 2.11 has only apply
+        BackwardCFunction.apply_boxed = _remapped_backward(BackwardCFunction.apply_boxed)  # type: ignore[method-assign]
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     # Pushed for the rest of this thread on purpose: megatron allocates on CUDA from
     # many call sites, and a CPU worker has no CUDA work that the remap could hide.
