@@ -45,7 +45,7 @@ def _free_port() -> int:
 
 def _init(backend: str) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ["MASTER_PORT"] = str(_free_port())  # a fresh one: the CPU child inherits the parent's environment
     dist.init_process_group(backend, rank=0, world_size=1)
 
 
