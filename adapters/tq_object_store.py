@@ -7,7 +7,9 @@ and for a jagged column its row offsets). The put's frames of
 :data:`INLINE_BYTES` or more go into **one Ray object per put**, with one
 ``ray.put`` in the writing process; a smaller frame travels inside the index
 call instead (Ray inlines small task arguments and replies, where a
-``ray.put`` costs about a millisecond whatever its size). The index records
+``ray.put`` costs about a millisecond whatever its size). The frames and
+that ``ray.put`` need no global index (:meth:`RayObjectStorageManager.stage`):
+the adapter makes them while the controller looks the put's keys up. The index records
 each row's location, ``(column id, row)``, per global index and field, and
 the key each global index was last put under. A get of fields whose wire
 names the adapter already knows, that asks for no tags, is one call to the
@@ -90,6 +92,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import ray
 import torch
 from tensordict import TensorDict
@@ -516,6 +519,27 @@ def _bootstrap(conf: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------- the storage manager
 
 
+@attrs.frozen
+class StagedColumns:
+    """A put's columns ready to store (:meth:`RayObjectStorageManager.stage`): framed, the large ones already in
+    Ray's object store, none yet at a global index.
+
+    Attributes:
+        rows: the put's rows.
+        frames: each field's frame.
+        large: the fields of :data:`INLINE_BYTES` or more, stored in ``shared``; the others travel inside the
+            index call.
+        shared: the object that holds the large fields' frames (None when there are none).
+    """
+
+    rows: int
+    frames: dict[str, Frame]
+    large: frozenset[str]
+    shared: Any
+
+
+
+
 @StorageManagerFactory.register(BACKEND)
 class RayObjectStorageManager(StorageManager):
     """TQ's storage manager for :data:`BACKEND`: columns into Ray's object store, row locations to the index."""
@@ -527,24 +551,45 @@ class RayObjectStorageManager(StorageManager):
     async def put_data(self, data: TensorDict, metadata: Any, data_parser: Callable[[Any], Any] | None = None) -> None:
         if data_parser is not None:
             raise NotImplementedError(f"data_parser is not supported by the {BACKEND} backend")
+        await self.put_staged(self.stage(data), metadata)
+
+    def stage(self, data: TensorDict) -> StagedColumns:
+        """The first half of :meth:`put_data`, which needs no global index: frame ``data``'s columns and put its large
+        ones into Ray's object store (one ``ray.put``, in the calling thread). A caller runs it while TQ's
+        controller registers the put's keys, then stores the rows with :meth:`put_staged`. Until then nothing is
+        stored: the object is freed with the last reference to the value returned.
+
+        Raises:
+            TypeError, ValueError: a column is not a tensor, or not of ``data``'s rows (see :func:`frame_column`).
+        """
+        n = data.batch_size[0]
+        frames = {field: frame_column(field, data.get(field), n) for field in data.keys()} if n else {}
+        large = frozenset(field for field, frame in frames.items() if frame["bytes"].nbytes >= INLINE_BYTES)
+        # One object for the put's large columns: one ray.put.
+        shared = ray.put({field: frames[field] for field in large}) if large else None
+        return StagedColumns(n, frames, large, shared)
+
+    async def put_staged(self, staged: StagedColumns, metadata: Any) -> None:
+        """Store the rows of ``staged`` (:meth:`stage`) at the global indexes ``metadata`` names: the second half of
+        :meth:`put_data`.
+
+        Raises:
+            ValueError: ``metadata`` names another number of global indexes than ``staged`` has rows.
+        """
         indexes = list(metadata.global_indexes)
         n = len(indexes)
-        if data.batch_size[0] != n:
-            raise ValueError(f"the put has {data.batch_size[0]} rows: its meta names {n} global indexes")
+        if staged.rows != n:
+            raise ValueError(f"the put has {staged.rows} rows: its meta names {n} global indexes")
         if n == 0:
             return
-        frames = {field: frame_column(field, data.get(field), n) for field in data.keys()}
-        large = {field: frame for field, frame in frames.items() if frame["bytes"].nbytes >= INLINE_BYTES}
-        shared = ray.put(large) if large else None  # one object for the put's large columns: one ray.put
         puts = [
-            (field, uuid.uuid4().hex, [(shared, field) if field in large else (frame, None)], indexes)
-            for field, frame in frames.items()
+            (field, uuid.uuid4().hex, [(staged.shared, field) if field in staged.large else (frame, None)], indexes)
+            for field, frame in staged.frames.items()
         ]
         # The index's register and the controller's notify run at once; the put returns when both are done,
-        # so a get after it finds the rows in both. (Running the ray.put on a thread beside the notify as well
-        # measured no faster: both need this process's CPU.)
+        # so a get after it finds the rows in both.
         registered = self._index.register.remote(_WRITER, puts, _owners(metadata))
-        await self.notify_data_update(metadata.partition_ids[0], indexes, field_schema(frames))
+        await self.notify_data_update(metadata.partition_ids[0], indexes, field_schema(staged.frames))
         await _wait(registered)
 
     async def get_data(self, metadata: Any) -> TensorDict:

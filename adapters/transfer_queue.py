@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -69,6 +70,7 @@ from adapters.store_port import (
 )
 from adapters.tq_system import Config, SystemHold, is_running
 from adapters.tq_wire import (
+    PutPlan,
     decode_columns,
     describe_meta,
     field_set_groups,
@@ -140,9 +142,13 @@ class _TagsToSend(tq.BatchMeta):
 
 
 async def _write(
-    client: tq.TransferQueueClient, payload: TensorDict, meta: tq.BatchMeta, previous: list[dict[str, Any]] | None
+    client: tq.TransferQueueClient,
+    store_rows: Callable[[tq.BatchMeta], Coroutine[Any, Any, None]],
+    meta: tq.BatchMeta,
+    previous: list[dict[str, Any]] | None,
 ) -> None:
-    """What TQ's ``put`` does that this adapter needs: store the columns and record the keys' tags, at once.
+    """What TQ's ``put`` does that this adapter needs: store the columns (``store_rows(meta)``, the storage
+    manager's put of them) and record the keys' tags, at once.
 
     TQ's own ``put`` also rebuilds the meta it returns (unbinding every jagged
     column row by row) and resets torch's thread count on every call; the
@@ -167,7 +173,7 @@ async def _write(
     # Both halves finish before either's error is raised: the caller's clean-up must not race a half still in flight.
     try:
         stored, tagged = await asyncio.gather(
-            client.storage_manager.put_data(payload, meta), client.async_set_custom_meta(tags), return_exceptions=True
+            store_rows(meta), client.async_set_custom_meta(tags), return_exceptions=True
         )
     except asyncio.CancelledError:  # the call's deadline passed: set the old tags back, best effort, after it
         _forget_keys(client, meta)
@@ -282,9 +288,21 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
 
         A part found dead earlier fails the call before anything is sent.
         """
+        return self._result(op, self._submit(function, *args, **kwargs))
+
+    def _submit(
+        self, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[Any]:
+        """Start ``function(*args, **kwargs)`` on TQ's client loop and return at once; :meth:`_result` waits for it.
+
+        Raises:
+            StoreFailure: a part was found dead earlier (nothing is sent).
+        """
         self._parts.raise_if_failed()
-        client = tq_system.client()
-        future = asyncio.run_coroutine_threadsafe(function(*args, **kwargs), client._loop)
+        return asyncio.run_coroutine_threadsafe(function(*args, **kwargs), tq_system.client()._loop)
+
+    def _result(self, op: str, future: concurrent.futures.Future[Any]) -> Any:
+        """The result of a call :meth:`_submit` started, within the deadline, the parts probed while it waits."""
 
         def poll(timeout: float) -> tuple[bool, Any]:
             concurrent.futures.wait([future], timeout=timeout)
@@ -322,10 +340,15 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         )
         plan = plan_put(receipt, fields, pad_rows=self._kv_backend)
         client = tq_system.client()
-        meta = self._call(
-            "put", client.async_kv_retrieve_meta,
-            keys=list(plan.receipt.keys), partition_id=partition_id, create=not require_stored,
+        lookup = self._submit(
+            client.async_kv_retrieve_meta, keys=list(plan.receipt.keys), partition_id=partition_id, create=not require_stored
         )
+        try:
+            store_rows = self._stage(client, plan.payload)  # while the controller looks the keys up
+        except BaseException:
+            self._drop_lookup(client, plan, lookup, require_stored)
+            raise
+        meta = self._result("put", lookup)
         if require_stored:  # the same lookup that finds the keys tells which are missing: no extra round trip
             self._check_found(client, plan.receipt.keys, partition_id, meta)
         fresh = new_keys(plan, meta.custom_meta)
@@ -334,13 +357,38 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         meta.update_custom_meta(tag_updates(plan, meta.custom_meta, reserved_tags))
         self._name_owners(meta, partition_id, plan.receipt.keys)
         try:
-            self._call("put", _write, client, plan.payload, meta, previous)
+            self._call("put", _write, client, store_rows, meta, previous)
         except BaseException:
             if fresh:
                 with contextlib.suppress(Exception):  # e.g. TQ's event loop is gone too, or a part died
                     self._call("put", _drop_registered, client, meta.select_samples(fresh))
             raise
         return plan.receipt
+
+    def _stage(
+        self, client: tq.TransferQueueClient, payload: TensorDict
+    ) -> Callable[[tq.BatchMeta], Coroutine[Any, Any, None]]:
+        """What stores a put's ``payload`` once its keys' meta is known. On
+        :data:`adapters.tq_object_store.BACKEND` the columns' bytes go into Ray's object store now, in this thread
+        (:meth:`adapters.tq_object_store.RayObjectStorageManager.stage`), which needs no global index, so that it
+        runs while the controller's lookup is in flight; other backends store everything once the meta is known."""
+        manager = client.storage_manager
+        if self._by_key:
+            return functools.partial(manager.put_staged, manager.stage(payload))
+        return functools.partial(manager.put_data, payload)
+
+    def _drop_lookup(
+        self, client: tq.TransferQueueClient, plan: PutPlan, lookup: concurrent.futures.Future[Any], require_stored: bool
+    ) -> None:
+        """After a put failed while its lookup was in flight: drop the keys that lookup registered; never raises."""
+        if require_stored:  # the lookup registers nothing
+            lookup.cancel()
+            return
+        with contextlib.suppress(Exception):
+            meta = self._result("put", lookup)
+            fresh = new_keys(plan, meta.custom_meta)
+            if fresh:
+                self._call("put", _drop_registered, client, meta.select_samples(fresh))
 
     def _get(
         self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]

@@ -9,6 +9,8 @@
   key after the lookup raises, naming both keys, instead of coming back as the other key's row; both whether the
   get located its rows by key (beside the lookup) or by index (after it).
 * A get locates its rows by key beside the controller's lookup once it knows the fields' wire names.
+* A put whose columns fail to reach Ray's object store while its keys' lookup is in flight leaves the store as
+  it was: the keys it registered are dropped.
 * Start-up: the index started beside TransferQueue's controller is the one TransferQueue uses, and its handle
   does not stay in TransferQueue's stored config.
 * The other backend: the store contract suite passes on TransferQueue as shipped (SimpleStorage) too, in a
@@ -228,6 +230,37 @@ def test_a_put_failing_after_its_rows_reached_the_index_leaves_no_row_a_get_by_k
     assert store.get(["k"], partition, ["x"])["x"].tolist() == [7]  # by key again once a get of k went by the lookup
     assert store.get(["other"], partition, ["y"])["y"].tolist() == [[1.0, 1.0]]
     store.clear(["k", "other"], partition)
+    store.close()
+
+
+@on_object_store
+@pytest.mark.parametrize("require_stored", [False, True], ids=["first put", "write-back"])
+def test_a_put_whose_columns_fail_while_its_lookup_is_in_flight_leaves_the_store_as_it_was(
+    tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch, require_stored: bool
+) -> None:
+    """The put's large columns go into Ray's object store while the controller looks its keys up (and registers the
+    new ones). When that fails, the put waits for the lookup and drops the keys it registered: no new key stays
+    listed, a stored key keeps its rows and tags, and the next put of the same keys works."""
+    store = TransferQueueStore.attach()
+    manager = tq_system.client().storage_manager
+    store.put(["k"], partition, TensorDict({"x": torch.tensor([7])}, batch_size=[1]), tags=[{"t": 1}])
+    stage = manager.stage
+
+    def failing(data: TensorDict) -> None:
+        raise MemoryError("object store full")
+
+    monkeypatch.setattr(manager, "stage", failing)
+    keys = ["k"] if require_stored else ["k", "new"]
+    with pytest.raises(MemoryError, match="object store full"):
+        store.put(keys, partition, TensorDict({"x": torch.tensor([1] * len(keys))}, batch_size=[len(keys)]),
+                  require_stored=require_stored)
+    assert sorted(store.list_keys(partition)) == ["k"]
+    assert store.get(["k"], partition, ["x"])["x"].tolist() == [7]
+    assert store.describe(["k"], partition).tags == ({"t": 1},)
+    monkeypatch.setattr(manager, "stage", stage)
+    store.put(keys, partition, TensorDict({"x": torch.tensor([3] * len(keys))}, batch_size=[len(keys)]))
+    assert store.get(keys, partition, ["x"])["x"].tolist() == [3] * len(keys)
+    store.clear(keys, partition)
     store.close()
 
 

@@ -25,6 +25,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from adapters.rows import ColumnSpec, columns_equal, stack_column
 from adapters.tq_mooncake import from_zero_byte_placeholder, pad_jagged_rows, unpad_jagged_rows, zero_byte_placeholder
+from adapters.tq_object_store import BACKEND as OBJECT_STORE
 from adapters.tq_system import known_backends, quiet_logs, resolve_config
 from adapters.tq_wire import (
     decode_column,
@@ -42,6 +43,11 @@ from tests.e2e.store_peer import check_round_trip_through_peer, run_without_ray,
 from tests.property.strategies import digest_columns
 
 pytestmark = pytest.mark.e2e
+
+
+STORES_COLUMNS = "put_staged" if TQ_BACKEND == OBJECT_STORE else "put_data"
+"""The session storage manager's method by which the adapter stores a put's columns once the keys' meta is known
+(on ``RayObjectStore`` the columns reach Ray's object store before, while the keys' lookup is in flight)."""
 
 _NO_RAY_SCRIPT = """
 import json
@@ -206,7 +212,7 @@ def test_put_failing_in_transfer_queue_clears_the_keys_it_registered(
     async def failing_put(*args: Any, **kwargs: Any) -> None:
         raise ConnectionError("storage unit went away")
 
-    monkeypatch.setattr(tq.get_client().storage_manager, "put_data", failing_put)
+    monkeypatch.setattr(tq.get_client().storage_manager, STORES_COLUMNS, failing_put)
     with pytest.raises(ConnectionError, match=r"storage unit went away"):
         store.put(["new1", "old", "new2"], partition, TensorDict({"x": torch.tensor([1, 2, 3])}, batch_size=[3]))
     monkeypatch.undo()
@@ -216,7 +222,7 @@ def test_put_failing_in_transfer_queue_clears_the_keys_it_registered(
     store.close()
 
 
-@pytest.mark.parametrize("failing", ["storage_manager.put_data", "async_set_custom_meta"])
+@pytest.mark.parametrize("failing", [f"storage_manager.{STORES_COLUMNS}", "async_set_custom_meta"])
 def test_put_of_new_keys_failing_in_either_half_leaves_no_key(
     tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch, failing: str
 ) -> None:
@@ -254,7 +260,7 @@ def test_rewrite_failing_in_its_columns_leaves_the_tags_as_they_were(
     async def failing_put(*args: Any, **kwargs: Any) -> None:
         raise ConnectionError("storage unit went away")
 
-    monkeypatch.setattr(tq.get_client().storage_manager, "put_data", failing_put)
+    monkeypatch.setattr(tq.get_client().storage_manager, STORES_COLUMNS, failing_put)
     with pytest.raises(ConnectionError, match=r"storage unit went away"):
         store.put(["k"], partition, TensorDict({"y": torch.ones(1, 2)}, batch_size=[1]), tags=tags)
     monkeypatch.undo()
