@@ -11,8 +11,9 @@ call instead (Ray inlines small task arguments and replies, where a
 that ``ray.put`` need no global index (:meth:`RayObjectStorageManager.stage`):
 the adapter makes them while the controller looks the put's keys up. The index records
 each row's location, ``(column id, row)``, per global index and field, and
-the key each global index was last put under. A get of fields whose wire
-names the adapter already knows, that asks for no tags, is one call to the
+the key each global index was last put under, with the reserved tags
+(integrity digests) each put merged into its keys' tags. A get of fields whose wire
+names the adapter already knows, that asks for no tags but reserved ones, is one call to the
 index, by key (:meth:`RayObjectStorageManager.get_by_key`), and one
 ``ray.get``: no controller lookup. Any other get is one controller lookup,
 one call to the index for the rows' locations and their columns' object refs
@@ -61,6 +62,11 @@ Invariants:
     (a rewrite in another kind, dtype or shape, whose current wire field only the keys' tags name), and leaves
     every other case to the lookup. A put that fails after its index call (its keys' tags set back, or the keys
     dropped) has the index forget its keys (:meth:`RowIndex.forget_keys`), so their gets go by the lookup;
+  * a get by key alone of reserved tags (a verified get) answers, per key, the reserved tags that the puts naming
+    it merged since its row's last clear, which is what TQ's controller holds, since every adapter put sends its
+    reserved tags to both; where a put the index did not see in full may have changed the controller's (a put
+    without owners, or a failed put), the get goes by the lookup until the row is cleared. (A process that sets
+    tags through TQ alone, bypassing the adapter, is not seen.)
   * a get never returns another key's row. Rows are found by global index,
     and TQ gives a cleared key's index to a later put; so the index records
     each row's partition and key (:data:`OWNERS`, sent by the adapter) and
@@ -100,6 +106,7 @@ from transfer_queue.storage.bootstrap import StorageBootstrapProvider
 from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 
 from adapters.node_resource import resource_options
+from adapters.store_port import RESERVED_TAG_PREFIX
 
 BACKEND = "RayObjectStore"
 """The backend's name in TQ's config (``backend.storage_backend``) and factories."""
@@ -310,7 +317,10 @@ class RowIndex:
         clear or register without owners there since, and no later register of the key elsewhere), or
         ``unknown``;
       * a column is counted by :meth:`stats` exactly while one of its rows is the latest of its
-        ``(global index, field)``: after every index is cleared, none is.
+        ``(global index, field)``: after every index is cleared, none is;
+      * :meth:`locate_keys` with ``tags`` answers each key's reserved tags merged, new values winning, from the puts
+        that named it since its row's last clear, or reports the first key whose row a put without owners, or a
+        failed put (:meth:`forget_keys`), reached since that clear.
     """
 
     def __init__(self) -> None:
@@ -323,20 +333,37 @@ class RowIndex:
         # Global indexes where a put that named its owners added a wire field beside another wire field of the same
         # user field (a rewrite in another kind, dtype or shape): which of the two is current, only the keys' tags say.
         self._shadowed: set[int] = set()
+        # The reserved tags (integrity digests) that the puts naming an index's key merged into its tags, since the
+        # index's last clear or change of key: what TQ's controller holds of them, unless the index is in
+        # ``_untagged`` (a put without owners, or a failed put, may have changed the controller's), until a clear.
+        self._tags: dict[int, dict[str, Any]] = {}
+        self._untagged: set[int] = set()
 
     def register(
-        self, writer: str, puts: Sequence[tuple[str, str, list[Any], Sequence[int]]], owners: Owners | None = None
+        self,
+        writer: str,
+        puts: Sequence[tuple[str, str, list[Any], Sequence[int]]],
+        owners: Owners | None = None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         """Record columns ``(field, column id, [stored], global indexes)`` put by ``writer``, where ``stored`` is
         ``(object ref, field)`` for a column inside a put's shared object and ``(frame, None)`` for one kept here;
         row ``i`` of a column holds global index ``indexes[i]``, of key ``owners[1][i]`` in partition
-        ``owners[0]`` when ``owners`` is given. Releases the rows they overwrite."""
+        ``owners[0]`` when ``owners`` is given. Releases the rows they overwrite.
+
+        ``tags[i]`` (with ``owners``) are the reserved tags the put merges into row ``i``'s key's tags (see
+        :meth:`locate_keys`); a put without owners leaves the tags of its rows unknown here until they are
+        cleared."""
         for i, (field, column, (stored,), indexes) in enumerate(puts):
             self._columns[column] = [stored, len(indexes), writer, owners]
             base = _user_field(field) if owners is not None else None
             for row, index in enumerate(indexes):
-                if i == 0:  # every column of a put holds the same rows: record their keys once
+                if i == 0:  # every column of a put holds the same rows: record their keys and tags once
                     self._own(index, None if owners is None else (owners[0], owners[1][row]))
+                    if owners is None:
+                        self._untagged.add(index)
+                    elif tags is not None and tags[row]:
+                        self._tags.setdefault(index, {}).update(tags[row])
                 fields = self._rows.setdefault(index, {})
                 old = fields.get(field)
                 if old is None and base is not None and fields and any(_user_field(f) == base for f in fields):
@@ -346,7 +373,13 @@ class RowIndex:
                     self._release(old[0], 1)
 
     def locate_keys(
-        self, partition: str, keys: Sequence[str], fields: Sequence[str], *, sole: bool = False
+        self,
+        partition: str,
+        keys: Sequence[str],
+        fields: Sequence[str],
+        *,
+        sole: bool = False,
+        tags: Sequence[str] | None = None,
     ) -> dict[str, Any]:
         """:meth:`locate` of the global indexes that ``keys`` of ``partition`` were last put at (by puts that named
         their owners), with those indexes under ``"indexes"``; or ``{"unknown": key}`` for the first key the index
@@ -356,7 +389,13 @@ class RowIndex:
         With ``sole``, also ``{"shadowed": key}`` for the first key whose row holds two wire fields of one user
         field, any field, asked for or not (a rewrite in another kind, dtype or shape, put through the adapter, since
         the row's last clear): only the key's tags tell which is current, so a caller that reads without TQ's lookup
-        (:meth:`RayObjectStorageManager.get_by_key`) does not read such a row."""
+        (:meth:`RayObjectStorageManager.get_by_key`) does not read such a row.
+
+        With ``tags`` (reserved tag names: only a put's reserved tags, the integrity digests, are kept here), also
+        ``"tags"``: per key, those of ``tags`` that the puts naming it merged into its tags since its row's last
+        clear, as TQ's controller holds them; or ``{"untagged": key}`` for the first key whose tags the controller
+        may hold otherwise (a put that named no owners or that failed, see :meth:`forget_keys`, reached its row
+        since the row's last clear)."""
         indexes = []
         for key in keys:
             index = self._index_of.get((partition, key))
@@ -364,9 +403,14 @@ class RowIndex:
                 return {"unknown": key}
             if sole and index in self._shadowed:
                 return {"shadowed": key}
+            if tags is not None and index in self._untagged:
+                return {"untagged": key}
             indexes.append(index)
         found = self.locate(indexes, fields, (partition, keys))
         found["indexes"] = indexes
+        if tags is not None and "locations" in found:
+            held = [self._tags.get(index, {}) for index in indexes]
+            found["tags"] = [{name: tag[name] for name in tags if name in tag} for tag in held]
         return found
 
     def locate(self, indexes: Sequence[int], fields: Sequence[str], owners: Owners | None = None) -> dict[str, Any]:
@@ -405,6 +449,8 @@ class RowIndex:
             released.update(column for column, _row in self._rows.pop(index, {}).values())
             self._own(index, None)
             self._shadowed.discard(index)
+            self._tags.pop(index, None)
+            self._untagged.discard(index)
         for column, count in released.items():
             self._release(column, count)
 
@@ -413,19 +459,23 @@ class RowIndex:
         put names them again); their rows stay, and :meth:`locate` by global index still finds them.
 
         A put that failed after its rows reached the index calls this: its keys' tags were set back, or the keys
-        dropped, so which rows and fields the keys hold now only TQ's lookup can say."""
+        dropped, so which rows and fields the keys hold now, and which tags, only TQ's lookup can say: their rows'
+        tags stay unknown here (:meth:`locate_keys` with ``tags``) until the rows are cleared."""
         for key in keys:
             index = self._index_of.pop((partition, key), None)
             if index is not None and self._key_of.get(index) == (partition, key):
                 del self._key_of[index]
+                self._untagged.add(index)
 
     def stats(self) -> dict[str, int]:
         """``columns`` (live column objects) and ``rows`` (global indexes holding a field)."""
         return {"columns": len(self._columns), "rows": len(self._rows)}
 
     def _own(self, index: int, key: tuple[str, str] | None) -> None:
-        """Record that global index ``index`` is now ``key``'s (None: no known key's)."""
+        """Record that global index ``index`` is now ``key``'s (None: no known key's); another key's tags go."""
         old = self._key_of.pop(index, None)
+        if old != key:
+            self._tags.pop(index, None)
         if old is not None and self._index_of.get(old) == index:
             del self._index_of[old]
         if key is not None:
@@ -569,9 +619,13 @@ class RayObjectStorageManager(StorageManager):
         shared = ray.put({field: frames[field] for field in large}) if large else None
         return StagedColumns(n, frames, large, shared)
 
-    async def put_staged(self, staged: StagedColumns, metadata: Any) -> None:
+    async def put_staged(
+        self, staged: StagedColumns, metadata: Any, reserved_tags: Sequence[Mapping[str, Any]] | None = None
+    ) -> None:
         """Store the rows of ``staged`` (:meth:`stage`) at the global indexes ``metadata`` names: the second half of
-        :meth:`put_data`.
+        :meth:`put_data`. ``reserved_tags[i]``, the reserved tags (integrity digests) the put merges into key
+        ``i``'s tags, go to the index too, which keeps them by key for :meth:`get_by_key` (only with the
+        :data:`OWNERS` the adapter names).
 
         Raises:
             ValueError: ``metadata`` names another number of global indexes than ``staged`` has rows.
@@ -588,7 +642,7 @@ class RayObjectStorageManager(StorageManager):
         ]
         # The index's register and the controller's notify run at once; the put returns when both are done,
         # so a get after it finds the rows in both.
-        registered = self._index.register.remote(_WRITER, puts, _owners(metadata))
+        registered = self._index.register.remote(_WRITER, puts, _owners(metadata), reserved_tags)
         await self.notify_data_update(metadata.partition_ids[0], indexes, field_schema(staged.frames))
         await _wait(registered)
 
@@ -609,15 +663,31 @@ class RayObjectStorageManager(StorageManager):
         the reply's object ref at once, so that it runs while the controller's lookup of the same keys does."""
         return self._index.locate_keys.remote(partition_id, list(keys), list(fields))
 
-    async def get_by_key(self, partition_id: str, keys: Sequence[str], fields: Sequence[str]) -> TensorDict | None:
-        """The rows of wire ``fields`` that ``keys`` of ``partition_id`` were last put at, found by the index alone
-        (one call, no controller lookup: :meth:`RowIndex.locate_keys` with ``sole``); None when the index cannot
-        answer for every key and field (a key it does not know, a missing field, a rewrite in another wire
-        field), for the caller to read through TQ's lookup instead, which raises what is wrong."""
-        found = await _wait(self._index.locate_keys.remote(partition_id, list(keys), list(fields), sole=True))
+    async def get_by_key(
+        self, partition_id: str, keys: Sequence[str], fields: Sequence[str], tag_names: Sequence[str] = ()
+    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]] | None:
+        """The rows of wire ``fields`` that ``keys`` of ``partition_id`` were last put at, and per key the reserved
+        tags of ``tag_names`` it holds, found by the index alone (one call, no controller lookup:
+        :meth:`RowIndex.locate_keys` with ``sole``); None when the index cannot answer for every key, field and
+        tag (a key it does not know, a missing field, a rewrite in another wire field, tags a put it did not see
+        may have changed), for the caller to read through TQ's lookup instead, which raises what is wrong.
+
+        ``tag_names`` must be reserved tag names (:data:`adapters.store_port.RESERVED_TAG_PREFIX`): the index keeps
+        no other tags."""
+        unkept = [name for name in tag_names if not name.startswith(RESERVED_TAG_PREFIX)]
+        if unkept:
+            raise ValueError(
+                f"'tag_names' must be reserved tag names (prefix {RESERVED_TAG_PREFIX!r}), the only tags the {BACKEND} "
+                f"index keeps: got {unkept}"
+            )
+        asked = list(tag_names) if tag_names else None
+        found = await _wait(
+            self._index.locate_keys.remote(partition_id, list(keys), list(fields), sole=True, tags=asked)
+        )
         if "locations" not in found:
             return None
-        return self._read(found, found["indexes"], list(fields), (partition_id, list(keys)))
+        data = self._read(found, found["indexes"], list(fields), (partition_id, list(keys)))
+        return data, tuple(found["tags"]) if asked else tuple({} for _ in keys)
 
     async def get_located(self, metadata: Any, located: Any) -> TensorDict:
         """:meth:`get_data` of ``metadata`` using ``located``, the ref :meth:`locate_keys` returned for the same keys

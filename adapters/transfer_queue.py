@@ -54,7 +54,7 @@ import concurrent.futures
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import transfer_queue as tq
@@ -63,6 +63,7 @@ from tensordict import TensorDict
 from adapters import tq_object_store, tq_system, tq_wire
 from adapters.store_health import DEFAULT_DEADLINES, ActorParts, Deadlines, ProbedActors, wait_for
 from adapters.store_port import (
+    RESERVED_TAG_PREFIX,
     StoreAdapter,
     pick_tags,
     unknown_keys_error,
@@ -344,7 +345,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             client.async_kv_retrieve_meta, keys=list(plan.receipt.keys), partition_id=partition_id, create=not require_stored
         )
         try:
-            store_rows = self._stage(client, plan.payload)  # while the controller looks the keys up
+            store_rows = self._stage(client, plan.payload, reserved_tags)  # while the controller looks the keys up
         except BaseException:
             self._drop_lookup(client, plan, lookup, require_stored)
             raise
@@ -366,15 +367,17 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         return plan.receipt
 
     def _stage(
-        self, client: tq.TransferQueueClient, payload: TensorDict
+        self, client: tq.TransferQueueClient, payload: TensorDict, reserved_tags: Sequence[Mapping[str, Any]] | None
     ) -> Callable[[tq.BatchMeta], Coroutine[Any, Any, None]]:
         """What stores a put's ``payload`` once its keys' meta is known. On
         :data:`adapters.tq_object_store.BACKEND` the columns' bytes go into Ray's object store now, in this thread
         (:meth:`adapters.tq_object_store.RayObjectStorageManager.stage`), which needs no global index, so that it
-        runs while the controller's lookup is in flight; other backends store everything once the meta is known."""
+        runs while the controller's lookup is in flight, and the put's ``reserved_tags`` go to the index with its
+        rows (a get of them by key needs no lookup); other backends store everything once the meta is known."""
         manager = client.storage_manager
         if self._by_key:
-            return functools.partial(manager.put_staged, manager.stage(payload))
+            tags = None if reserved_tags is None else [dict(tag) for tag in reserved_tags]
+            return functools.partial(manager.put_staged, manager.stage(payload), reserved_tags=tags)
         return functools.partial(manager.put_data, payload)
 
     def _drop_lookup(
@@ -401,18 +404,20 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         fields and the index found every row at the global indexes the lookup gives, and locates them by index
         otherwise. Either way the index checks each row's key.
 
-        A get that asks for no tags, of names whose wire fields a get before it learnt, skips the lookup: the
-        index alone finds the rows by key (:meth:`adapters.tq_object_store.RayObjectStorageManager.get_by_key`),
-        one call in all; when it cannot answer for every key and field, the get goes through the lookup as above.
+        A get that asks for no tags but reserved ones (the integrity digests, which the index keeps by key), of
+        names whose wire fields a get before it learnt, skips the lookup: the index alone finds the rows and the
+        tags by key (:meth:`adapters.tq_object_store.RayObjectStorageManager.get_by_key`), one call in all; when
+        it cannot answer for every key, field and tag, the get goes through the lookup as above.
         """
         client = tq_system.client()
         memo = (partition_id, names)
         guess = self._wires.get(memo) if self._by_key else None
-        if guess is not None and not tag_names:
-            data = self._call("get", client.storage_manager.get_by_key, partition_id, keys, guess)
-            if data is not None:
+        if guess is not None and all(name.startswith(RESERVED_TAG_PREFIX) for name in tag_names):
+            found = self._call("get", client.storage_manager.get_by_key, partition_id, keys, guess, tag_names)
+            if found is not None:
+                data, tags = found
                 specs = {name: parse_wire_name(wire)[1] for name, wire in zip(names, guess)}
-                return decode_columns(specs, data, len(keys)), tuple({} for _ in keys)
+                return decode_columns(specs, data, len(keys)), tags
         meta, located = self._call("get", _lookup, client, keys, partition_id, guess)
         self._check_found(client, keys, partition_id, meta)
         specs = plan_get(keys, partition_id, names, meta.custom_meta)

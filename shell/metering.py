@@ -15,8 +15,9 @@ The digests go through the inner client's ``put_with_reserved_tags``
 (:class:`adapters.store_port.ReservedTagPutClient`): a plain ``put`` rejects
 reserved tag names, so no caller can forge a digest.
 Every get reads the digests back with the data, in one lookup when the inner
-client is a :class:`adapters.store_port.TaggedGetClient` (every adapter here is)
-and with a ``describe`` otherwise, and raises
+client is a :class:`adapters.store_port.TaggedGetClient` (every adapter here is;
+on TransferQueue's ``RayObjectStore`` backend the index keeps them by key, and
+the get needs no lookup) and with a ``describe`` otherwise, and raises
 :class:`IntegrityError`, naming the keys and fields, when a row's content no
 longer matches. The digests cover dtype, shape and every bit, so a changed
 element, a truncated row, swapped rows, a permutation inside a row or a

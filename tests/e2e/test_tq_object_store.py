@@ -9,6 +9,7 @@
   key after the lookup raises, naming both keys, instead of coming back as the other key's row; both whether the
   get located its rows by key (beside the lookup) or by index (after it).
 * A get locates its rows by key beside the controller's lookup once it knows the fields' wire names.
+* A verified get (integrity on) reads the rows and their digests by key too, and still catches a changed row.
 * A put whose columns fail to reach Ray's object store while its keys' lookup is in flight leaves the store as
   it was: the keys it registered are dropped.
 * Start-up: the index started beside TransferQueue's controller is the one TransferQueue uses, and its handle
@@ -31,6 +32,7 @@ from tensordict import TensorDict
 
 from adapters import tq_object_store, tq_system
 from adapters.transfer_queue import TransferQueueStore
+from shell.metering import IntegrityError, MeteredClient
 from tests.e2e.conftest import ROOT, TQ_BACKEND
 
 pytestmark = pytest.mark.e2e
@@ -261,6 +263,53 @@ def test_a_put_whose_columns_fail_while_its_lookup_is_in_flight_leaves_the_store
     store.put(keys, partition, TensorDict({"x": torch.tensor([3] * len(keys))}, batch_size=[len(keys)]))
     assert store.get(keys, partition, ["x"])["x"].tolist() == [3] * len(keys)
     store.clear(keys, partition)
+    store.close()
+
+
+@on_object_store
+def test_a_verified_get_reads_rows_and_digests_by_key_and_still_catches_a_changed_row(
+    tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With integrity on, once the store knows the fields' wire names, a get reads the rows and their digests from
+    the index alone, with no controller lookup. It still raises ``IntegrityError`` for a row that a put without
+    digests changed under its digest, and for a row a verified rewrite stored while the rewrite failed (its tags
+    set back): after that failure the get goes through the lookup again."""
+    store = TransferQueueStore.attach()
+    client = MeteredClient(store, verify_integrity=True)
+    rows = _jagged([[1, 2, 3], [4]])
+    client.put(["a", "b"], partition, TensorDict({"x": rows}, batch_size=[2]))
+    client.get(["a", "b"], partition, ["x"])  # the store learns x's wire field
+    lookups = _count_lookups(monkeypatch)
+    got = client.get(["b", "a"], partition, ["x"])["x"]
+    assert [r.tolist() for r in got.unbind()] == [[4], [1, 2, 3]]
+    assert lookups == []
+    client.put(["b"], partition, TensorDict({"x": _jagged([[5, 6]])}, batch_size=[1]))  # verified: new digest
+    lookups.clear()
+    assert [r.tolist() for r in client.get(["b"], partition, ["x"])["x"].unbind()] == [[5, 6]]
+    assert lookups == []
+    store.put(["b"], partition, TensorDict({"x": _jagged([[7, 8]])}, batch_size=[1]))  # no digest: the old one stays
+    lookups.clear()
+    with pytest.raises(IntegrityError, match=r"\['x'\]") as info:
+        client.get(["a", "b"], partition, ["x"])
+    assert info.value.keys == ("b",) and lookups == []
+
+    async def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ConnectionError("controller went away")
+
+    client.put(["a"], partition, TensorDict({"x": _jagged([[9]])}, batch_size=[1]))
+    with monkeypatch.context() as patch, pytest.raises(ConnectionError, match="controller went away"):
+        patch.setattr(tq_system.client(), "async_set_custom_meta", failing)
+        client.put(["a"], partition, TensorDict({"x": _jagged([[10, 11]])}, batch_size=[1]))
+    lookups.clear()
+    with pytest.raises(IntegrityError) as info:  # its rows reached the index, its digest did not reach the keys
+        client.get(["a"], partition, ["x"])
+    assert info.value.keys == ("a",) and len(lookups) == 1
+    client.put(["a"], partition, TensorDict({"y": torch.ones(1, 2)}, batch_size=[1]))  # a's key is known by key again
+    lookups.clear()
+    with pytest.raises(IntegrityError) as info:  # which digests a holds only the lookup can say, until a clear
+        client.get(["a"], partition, ["x"])
+    assert info.value.keys == ("a",) and len(lookups) == 1
+    store.clear(["a", "b"], partition)
     store.close()
 
 

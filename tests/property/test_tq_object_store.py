@@ -11,6 +11,8 @@
 * By key: ``locate_keys`` answers the index each key's latest naming put gave it, or the first unknown key;
   with ``sole`` it also refuses the first key whose row holds two wire fields of one field; after
   ``forget_keys`` a forgotten key is unknown while every row stays where ``locate`` finds it.
+* Reserved tags by key: ``locate_keys`` with ``tags`` answers each key's reserved tags as the puts naming it merged
+  them since its row's last clear, or refuses the first key a put without owners or a forget reached since.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
 from adapters.tq_object_store import RowIndex, assemble_column, field_schema, frame_column, gather_rows, unframe
 
@@ -213,13 +215,23 @@ def _expected(model: dict, query: tuple) -> dict:
 
 
 def _apply(index: RowIndex, n: int, op: tuple) -> None:
-    """Run op ``n`` of a program on ``index``: a clear, or a put whose columns are named after ``n`` and the field."""
+    """Run op ``n`` of a program on ``index``: a clear, a forget of keys, or a put whose columns are named after
+    ``n`` and the field (with :func:`_digests_of` as its reserved tags when the op says so)."""
     if op[0] == "clear":
         index.clear(op[1])
         return
-    _, partition, fields, rows, named = op
+    if op[0] == "forget":
+        index.forget_keys(op[1], op[2])
+        return
+    _, partition, fields, rows, named, *tagged = op
     puts = [(field, f"col{n}{field}", [(f"stored{n}{field}", None)], [i for i, _ in rows]) for field in fields]
-    index.register("writer", puts, (partition, [k for _, k in rows]) if named else None)
+    tags = [_digests_of(n, row, fields) for row in range(len(rows))] if tagged and tagged[0] else None
+    index.register("writer", puts, (partition, [k for _, k in rows]) if named else None, tags)
+
+
+def _digests_of(n: int, row: int, fields: Sequence[str]) -> dict[str, int]:
+    """The reserved tags that put ``n`` of a program gives its row ``row``: a digest per field, unique to the put."""
+    return {f"__digest__.{field}": n * 100 + row for field in fields}
 
 
 @settings(max_examples=300, deadline=None)
@@ -357,3 +369,81 @@ def test_a_forgotten_key_is_unknown_by_key_and_its_rows_stay_by_index(
     for key in forgotten:
         assert index.locate_keys(partition, [key, *others], FIELDS[:1]) == {"unknown": key}
     assert {key: index.locate_keys(partition, [key], FIELDS[:1]) for key in others} == answered
+
+
+_tagged_put = st.tuples(_put, st.booleans()).map(lambda p: (*p[0], p[1]))  # the last: whether it sends digests
+_forget = st.tuples(
+    st.just("forget"), st.sampled_from(PARTITIONS), st.lists(st.sampled_from(KEYS), min_size=1, max_size=2, unique=True)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@example(  # a clear drops the tags: a later put without digests leaves the key none
+    [("put", "p", ["a", "b"], [(0, "k0")], True, True), ("clear", [0]), ("put", "p", ["a"], [(0, "k0")], True, False)],
+    "p", ["k0"], ["a"],
+)
+@example(  # the index given to another key drops the tags of the one before
+    [("put", "p", ["a"], [(0, "k0")], True, True), ("put", "p", ["a"], [(0, "k1")], True, False)], "p", ["k1"], ["a"],
+)
+@example(  # a put without owners leaves the tags unknown until a clear, though a later put names the key again
+    [("put", "p", ["a", "b"], [(0, "k0")], True, True), ("put", "p", ["a"], [(0, "k1")], False, False),
+     ("put", "p", ["a"], [(0, "k0")], True, True)],
+    "p", ["k0"], ["b"],
+)
+@given(
+    st.lists(st.one_of(_tagged_put, _clear, _forget), max_size=14),
+    st.sampled_from(PARTITIONS),
+    st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True),
+    st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True),
+)
+def test_the_index_answers_each_keys_reserved_tags_as_its_puts_merged_them_since_its_rows_clear(
+    program: list[tuple], partition: str, keys: list[str], fields: list[str]
+) -> None:
+    """``locate_keys(..., tags=names)`` answers, per key, the reserved tags of ``names`` that the puts naming that
+    key merged (new values win) since its row's last clear or change of key; or the first key whose row a put
+    without owners, or a forget (a failed put), reached since that clear; otherwise what ``locate_keys`` answers."""
+    index = RowIndex()
+    owner: dict[int, tuple[str, str] | None] = {}
+    tags: dict[int, dict[str, int]] = {}
+    untagged: set[int] = set()
+    for n, op in enumerate(program):
+        _apply(index, n, op)
+        if op[0] == "clear":
+            for i in op[1]:
+                owner.pop(i, None)
+                tags.pop(i, None)
+                untagged.discard(i)
+        elif op[0] == "forget":
+            for i, o in owner.items():
+                if o is not None and o[0] == op[1] and o[1] in op[2]:
+                    owner[i] = None
+                    untagged.add(i)
+        else:
+            _, put_partition, put_fields, rows, named, tagged = op
+            for row, (i, k) in enumerate(rows):
+                new = (put_partition, k) if named else None
+                if named:  # the key leaves any other index
+                    owner.update({j: None for j, o in owner.items() if o == new and j != i})
+                if owner.get(i) != new:
+                    tags.pop(i, None)
+                owner[i] = new
+                if not named:
+                    untagged.add(i)
+                elif tagged:
+                    tags.setdefault(i, {}).update(_digests_of(n, row, put_fields))
+    names = [f"__digest__.{field}" for field in fields]
+    found = index.locate_keys(partition, keys, fields, tags=names)
+    at = {o[1]: i for i, o in owner.items() if o is not None and o[0] == partition}
+    for key in keys:
+        if key not in at:
+            assert found == {"unknown": key}
+            return
+        if at[key] in untagged:
+            assert found == {"untagged": key}
+            return
+    plain = index.locate_keys(partition, keys, fields)
+    if "locations" not in plain:
+        assert found == plain
+        return
+    assert found.pop("tags") == [{name: tags[at[k]][name] for name in names if name in tags.get(at[k], {})} for k in keys]
+    assert found == plain
