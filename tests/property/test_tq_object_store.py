@@ -390,12 +390,7 @@ _forget = st.tuples(
      ("put", "p", ["a"], [(0, "k0")], True, True)],
     "p", ["k0"], ["b"],
 )
-@given(
-    st.lists(st.one_of(_tagged_put, _clear, _forget), max_size=14),
-    st.sampled_from(PARTITIONS),
-    st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True),
-    st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True),
-)
+@_by_key_cases(st.one_of(_tagged_put, _forget), FIELDS, 3)
 def test_the_index_answers_each_keys_reserved_tags_as_its_puts_merged_them_since_its_rows_clear(
     program: list[tuple], partition: str, keys: list[str], fields: list[str]
 ) -> None:
