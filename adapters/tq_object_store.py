@@ -588,8 +588,6 @@ class StagedColumns:
     shared: Any
 
 
-
-
 @StorageManagerFactory.register(BACKEND)
 class RayObjectStorageManager(StorageManager):
     """TQ's storage manager for :data:`BACKEND`: columns into Ray's object store, row locations to the index."""

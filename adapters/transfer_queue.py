@@ -360,9 +360,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         try:
             self._call("put", _write, client, store_rows, meta, previous)
         except BaseException:
-            if fresh:
-                with contextlib.suppress(Exception):  # e.g. TQ's event loop is gone too, or a part died
-                    self._call("put", _drop_registered, client, meta.select_samples(fresh))
+            self._drop_new_keys(client, meta, fresh)
             raise
         return plan.receipt
 
@@ -389,9 +387,13 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             return
         with contextlib.suppress(Exception):
             meta = self._result("put", lookup)
-            fresh = new_keys(plan, meta.custom_meta)
-            if fresh:
-                self._call("put", _drop_registered, client, meta.select_samples(fresh))
+            self._drop_new_keys(client, meta, new_keys(plan, meta.custom_meta))
+
+    def _drop_new_keys(self, client: tq.TransferQueueClient, meta: tq.BatchMeta, fresh: Sequence[int]) -> None:
+        """Drop the keys at positions ``fresh`` of ``meta``, which a failed put registered; never raises."""
+        if fresh:
+            with contextlib.suppress(Exception):  # e.g. TQ's event loop is gone too, or a part died
+                self._call("put", _drop_registered, client, meta.select_samples(list(fresh)))
 
     def _get(
         self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]
