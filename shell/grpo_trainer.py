@@ -128,13 +128,17 @@ def loss_fn(config: RunConfig) -> GRPOLoss:
 
 @attrs.frozen
 class MeteredFactory:
-    """A picklable client factory: ``inner()`` wrapped in a :class:`MeteredClient` (so workers report store I/O)."""
+    """A picklable client factory: ``inner()`` wrapped in a :class:`MeteredClient` (so workers report store I/O).
+
+    The clients it builds keep no outstanding-bytes table (``track_outstanding=False``): a worker puts rows that
+    the driver clears, so its table would only grow, a row and field per write, for the whole run.
+    """
 
     inner: Callable[[], DataPlaneClient]
     verify_integrity: bool = False
 
     def __call__(self) -> MeteredClient:
-        return MeteredClient(self.inner(), verify_integrity=self.verify_integrity)
+        return MeteredClient(self.inner(), verify_integrity=self.verify_integrity, track_outstanding=False)
 
 
 # ---------------------------------------------------------------- the trainer

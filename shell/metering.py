@@ -6,6 +6,14 @@ bytes and keys still outstanding per partition (put and not yet cleared).
 ``snapshot()`` is cumulative; ``step_delta()`` gives the activity since the
 previous ``step_delta()`` call, for per-step logging.
 
+Outstanding bytes need a table of each ``(partition, field, key)`` this client
+put and has not cleared, so the table lives as long as the rows do. A client
+whose rows another process clears (a rollout engine's, a policy rank's: the
+driver clears a step's keys) would only ever add to it; such a client is
+built with ``track_outstanding=False`` and keeps no per-key state. The
+outstanding totals are kept up to date as puts and clears settle, so a
+snapshot costs O(partitions), not a pass over every row held.
+
 With ``verify_integrity=True`` every put also computes, for each field ``f``
 it writes, one 64-bit content digest per row (``core.integrity``: XXH3-64 of
 the row's bytes) and stores it in the key's reserved tag ``__digest__.f``
@@ -37,6 +45,7 @@ hidden from receipts and ``describe``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -203,6 +212,10 @@ class MeteredClient:
         inner: the client to wrap.
         on_event: called with a :class:`DataPlaneEvent` after each put, get and clear.
         verify_integrity: write per-row digests on put and check them on get.
+        track_outstanding: keep the per-key table behind ``outstanding_bytes`` / ``outstanding_keys`` and the
+            bytes a clear frees. Off, the client keeps no per-key state: both outstanding maps are empty and a
+            clear counts 0 bytes (for a client whose rows another process clears, which would only add rows to
+            the table).
 
     Example:
         >>> client = MeteredClient(MemoryStore(), verify_integrity=True)
@@ -217,6 +230,7 @@ class MeteredClient:
         *,
         on_event: Callable[[DataPlaneEvent], None] | None = None,
         verify_integrity: bool = False,
+        track_outstanding: bool = True,
     ) -> None:
         if verify_integrity and not isinstance(inner, ReservedTagPutClient):
             raise TypeError(
@@ -227,10 +241,14 @@ class MeteredClient:
         self.inner = inner
         self.on_event = on_event
         self.verify_integrity = verify_integrity
+        self.track_outstanding = track_outstanding
         self._ops: dict[str, list[float]] = {op: [0, 0, 0, 0.0, 0.0] for op in OPS}
         self._mark: dict[str, list[float]] = {op: [0, 0, 0, 0.0, 0.0] for op in OPS}
         self._step_max: dict[str, float] = {op: 0.0 for op in OPS}
         self._row_bytes: dict[str, dict[str, dict[str, int]]] = {}  # partition -> field -> key -> bytes
+        # Per partition, kept with _row_bytes as it settles: its total bytes, and the keys holding a field.
+        self._held_bytes: dict[str, int] = {}
+        self._held_keys: dict[str, set[str]] = {}
         self._pending: list[tuple[str, str, tuple[str, ...], list[tuple[str, Any]]]] = []  # puts/clears not yet settled
 
     # ------------------------------------------------------------------ port
@@ -270,7 +288,8 @@ class MeteredClient:
             )
         # Per-key accounting is deferred to the next snapshot (see _settle), keeping a put O(fields);
         # only row sizes are kept, never the payload.
-        self._pending.append(("put", partition_id, tuple(keys), [(name, _row_sizes(v, n)) for name, v in columns.items()]))
+        if self.track_outstanding:
+            self._pending.append(("put", partition_id, tuple(keys), [(name, _row_sizes(v, n)) for name, v in columns.items()]))
         self._record("put", partition_id, n, sum(column_bytes(v) for v in columns.values()), start)
         return receipt
 
@@ -302,7 +321,8 @@ class MeteredClient:
         """Meter a clear; see ``DataPlaneClient.clear``."""
         start = time.perf_counter()
         self.inner.clear(keys, partition_id)
-        self._pending.append(("clear", partition_id, tuple(keys), []))
+        if self.track_outstanding:
+            self._pending.append(("clear", partition_id, tuple(keys), []))
         self._record("clear", partition_id, len(keys), 0, start)
 
     def list_keys(self, partition_id: str) -> tuple[str, ...]:
@@ -341,13 +361,15 @@ class MeteredClient:
         return self._stats(delta)
 
     def _settle(self) -> None:
-        """Replay pending puts and clears into the per-(partition, field, key) byte table.
+        """Replay pending puts and clears into the per-(partition, field, key) byte table and the partitions' totals.
 
         A rewrite of a field under a key replaces its bytes; a clear frees them
         and adds them to the ``clear`` counter's bytes.
         """
         for op, partition_id, keys, sizes in self._pending:
             partition = self._row_bytes.setdefault(partition_id, {})
+            held = self._held_keys.setdefault(partition_id, set())
+            total = self._held_bytes.get(partition_id, 0)
             if op == "put":
                 for name, rows in sizes:
                     if isinstance(rows, tuple):
@@ -355,31 +377,26 @@ class MeteredClient:
                         per_key = ((counts.diff() if is_offsets else counts) * per_token).tolist()
                     else:
                         per_key = [rows] * len(keys)
-                    partition.setdefault(name, {}).update(zip(keys, per_key))
+                    table = partition.setdefault(name, {})
+                    replaced = sum(size for size in map(table.get, keys) if size is not None)
+                    total += sum(per_key) - replaced
+                    table.update(zip(keys, per_key))
+                if sizes:
+                    held.update(keys)
             else:
-                freed = 0
-                for table in partition.values():
-                    for key in keys:
-                        freed += table.pop(key, 0)
+                freed = sum(sum(map(table.pop, keys, itertools.repeat(0))) for table in partition.values())
+                held.difference_update(keys)
+                total -= freed
                 self._ops["clear"][2] += freed
+            self._held_bytes[partition_id] = total
         self._pending.clear()
 
     def _stats(self, ops: Mapping[str, list[float]]) -> DataPlaneStats:
         self._settle()
-        outstanding_bytes: dict[str, int] = {}
-        outstanding_keys: dict[str, int] = {}
-        for partition, fields in self._row_bytes.items():
-            keys: set[str] = set()
-            total = 0
-            for rows in fields.values():
-                keys.update(rows)
-                total += sum(rows.values())
-            outstanding_bytes[partition] = total
-            outstanding_keys[partition] = len(keys)
         return DataPlaneStats(
             ops=FrozenDict({op: OpStats(int(v[0]), int(v[1]), int(v[2]), v[3], v[4]) for op, v in ops.items()}),
-            outstanding_bytes=FrozenDict(outstanding_bytes),
-            outstanding_keys=FrozenDict(outstanding_keys),
+            outstanding_bytes=FrozenDict(self._held_bytes),
+            outstanding_keys=FrozenDict({partition: len(keys) for partition, keys in self._held_keys.items()}),
         )
 
     def _record(self, op: str, partition_id: str, keys: int, nbytes: int, start: float) -> None:

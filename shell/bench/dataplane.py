@@ -25,8 +25,10 @@ round too: the digests ``MeteredClient`` computes on a verified get, over the
 columns the adapter read back that round, divided by that round's raw get.
 
 Also measured: the metering overhead per op against a client that does
-nothing (isolates the wrapper's own cost), and, with ``--profile``, where the
-adapter's put and get spend their time.
+nothing (isolates the wrapper's own cost); the metering's ``step_delta`` after
+:data:`GROWTH_STEPS` steps of puts that no one clears, with and without the
+outstanding-bytes table (what a rollout engine's client sees over a run); and,
+with ``--profile``, where the adapter's put and get spend their time.
 """
 
 from __future__ import annotations
@@ -307,12 +309,15 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
             op: _median_us(lambda: getattr(metered_null, op)(keys, "null", *args), reps) - _median_us(lambda: getattr(null, op)(keys, "null", *args), reps)
             for op, args in (("put", (td,)), ("get", (list(FIELDS),)), ("clear", ()))
         }
+        growth = {track: _step_delta_after_puts(td, keys, track, GROWTH_STEPS) for track in (True, False)}
         report.advance()
         report.table(
             "other overheads (goal in brackets)",
             ["measure", "value"],
             [
                 *[[f"metering, integrity off, per {op} (<= 40 us)", f"{us:.1f} us"] for op, us in overhead.items()],
+                *[[f"metering step_delta after {GROWTH_STEPS:,} steps of {cfg.rows}-key puts never cleared, "
+                   f"track_outstanding={track}", f"{ms:.2f} ms"] for track, ms in growth.items()],
                 ["hashing a get's rows (3 fields, median)", f"{statistics.median(hashing) * 1e3:.2f} ms"],
                 ["TQ adapter put time / ray.put", f"{ours_put / med[RAY][0]:.1f}x"],
                 ["TQ adapter get time / ray.get", f"{ours_get / med[RAY][1]:.1f}x"],
@@ -337,6 +342,25 @@ class _RawTQ:
 
     def clear(self, keys: Any, partition_id: str) -> None:
         raw.raw_tq_clear(keys, partition_id)
+
+
+GROWTH_STEPS = 1000
+"""Steps of puts (under fresh keys, never cleared) before the metering's ``step_delta`` is timed."""
+
+
+def _step_delta_after_puts(td: TensorDict, keys: list[str], track_outstanding: bool, steps: int) -> float:
+    """Median ms of ``MeteredClient.step_delta()`` over the last 10 of ``steps`` steps, each a put of ``td`` under
+    fresh keys that no one clears (what a rollout engine's client sees: the driver clears its rows), into a client
+    that stores nothing."""
+    null = _NullClient(td, keys)
+    client = MeteredClient(null, track_outstanding=track_outstanding)
+    times = []
+    for step in range(steps):
+        client.put([f"s{step}_{key}" for key in keys], "growth", td)
+        start = time.perf_counter()
+        client.step_delta()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[-10:]) * 1e3
 
 
 def _tiny_get_ms(client: Any, partition: str, repeats: int) -> float:

@@ -291,6 +291,21 @@ def test_metered_client_counts_calls_keys_bytes_and_outstanding() -> None:
     assert flat["put_calls"] == 2 and flat["outstanding_bytes"] == 0
 
 
+def test_the_trainers_worker_clients_keep_no_outstanding_table() -> None:
+    """A worker's rows are cleared by the driver, so the clients the trainer builds for workers keep no per-key
+    table (it would grow a row and field per write for the whole run); they still count calls, keys and bytes."""
+    from shell.grpo_trainer import MeteredFactory
+
+    client = MeteredFactory(MemoryStore)()
+    for step in range(3):
+        client.put([f"s{step}_{key}" for key in KEYS], "p", _batch())
+    delta = client.step_delta()
+    assert delta.ops["put"].calls == 3 and delta.ops["put"].keys == 3 * len(KEYS)
+    assert delta.ops["put"].bytes == 3 * (sum(LENGTHS) * (8 + 2 + 1) + 4 * 4)
+    assert delta.outstanding_bytes == {} and delta.outstanding_keys == {}
+    assert MeteredClient(MemoryStore()).track_outstanding, "a client built directly keeps the table"
+
+
 def test_metered_client_rejects_reserved_field_names() -> None:
     """User fields may not start with the digest prefix, and nothing is written."""
     client = MeteredClient(MemoryStore(), verify_integrity=True)
