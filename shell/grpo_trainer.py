@@ -463,6 +463,20 @@ class GRPOTrainer:
             store, self._store = self._store, None
             store.close()
 
+    def process_ids(self) -> dict[str, Any]:
+        """The OS pids of the run's processes, by role: the driver's, each policy rank's (``policy``, by rank), the
+        source's actors' (by role, e.g. ``rollout``) and the store's parts' (``store``, by role; empty on the legacy
+        path). ``python -m shell.run`` writes this record to the run's ``processes.json``."""
+        from shell.worker import Worker
+
+        out: dict[str, Any] = {"driver": os.getpid()}
+        if self.policy is not None:
+            out["policy"] = {str(rank): pid for rank, pid in enumerate(self.policy.group.call(Worker.process_id))}
+        if self.source is not None:
+            out.update(self.source.process_ids())
+        out["store"] = {part.role: part.pid for part in self.store_parts()}
+        return out
+
     def node_ids(self) -> dict[str, Any]:
         """Where the run's processes are: the Ray node id of the driver, of each policy rank (by rank), of the
         source's actors (by role), of each TransferQueue storage unit this trainer started (``storage``, by name),

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -83,15 +82,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _write_processes(trainer: Any, path: Path) -> dict[str, Any]:
-    from shell.worker import Worker
-
-    policy = trainer.policy.group if trainer.policy is not None else None
-    info: dict[str, Any] = {"driver": os.getpid()}
-    if policy is not None:
-        info["policy"] = {str(rank): pid for rank, pid in enumerate(policy.call(Worker.process_id))}
-    if trainer.source is not None:
-        info.update(trainer.source.process_ids())
-    info["store"] = {part.role: part.pid for part in trainer.store_parts()}
+    info = trainer.process_ids()
     info["nodes"] = trainer.node_ids()
     path.write_text(json.dumps(info, indent=1) + "\n")
     if not trainer.owns_store:  # a store the run joined is not the run's to kill on a hard stop

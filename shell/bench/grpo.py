@@ -12,7 +12,10 @@ here by 10-15% in speed from one process set to the next, which swamps a
 few per cent.) Per path it also reports the median step time, the median
 bytes through the driver per step and the store traffic. It checks parity:
 per-step rewards, losses and grad norms must be bitwise equal between the
-paths.
+paths. And it reads every process's resident memory after each step (the
+driver, the policy ranks, the rollout engine, the store's parts), with its
+growth per 100 steps: a long run (``--steps 400``) shows a leak in any of
+them as a steady slope.
 """
 
 from __future__ import annotations
@@ -44,27 +47,39 @@ class GrpoBenchConfig:
 PATHS = ("legacy", "data plane")
 
 
-def side_by_side(configs: Mapping[str, Any], steps: int) -> dict[str, list[dict[str, Any]]]:
+def side_by_side(
+    configs: Mapping[str, Any], steps: int, *, resident: bool = False
+) -> dict[str, list[dict[str, Any]]]:
     """Name -> step records (``samples`` dropped) of a trainer per run config, all started side by side in this
     process (on its Ray: started here unless one is up) and stepped in turn for ``steps`` steps, the order
     alternating: the configs' order on odd steps, reversed on even ones.
 
     Stepping in turn puts every trainer's step at the same moment on the machine, so per-step ratios compare like
     with like; separate runs here differ by 10-15% in speed from one process set to the next.
+
+    With ``resident``, each record also has ``rss_mib``: process label -> its resident memory in MiB right after
+    the step, for this trainer's processes (:func:`shell.bench.memory.process_labels` of its ``process_ids()``; the
+    driver, this process, is every trainer's). Those processes must run on this node.
     """
+    from shell.bench.memory import process_labels, resident_mib
     from shell.grpo_trainer import GRPOTrainer
 
     names = list(configs)
     trainers: dict[str, Any] = {}
     records: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    processes: dict[str, dict[str, int]] = {}
     try:
         for name in names:
             trainers[name] = GRPOTrainer(configs[name])
             trainers[name].start()
+            if resident:
+                processes[name] = process_labels(trainers[name].process_ids())
         for step in range(1, steps + 1):
             for name in names if step % 2 else names[::-1]:
                 record = trainers[name].step(step)
                 record.pop("samples", None)
+                if resident:
+                    record["rss_mib"] = {label: resident_mib(pid) for label, pid in processes[name].items()}
                 records[name].append(record)
     finally:
         for trainer in trainers.values():
@@ -74,14 +89,15 @@ def side_by_side(configs: Mapping[str, Any], steps: int) -> dict[str, list[dict[
 
 
 def _run_pair(overrides: Sequence[str], steps: int) -> dict[str, list[dict[str, Any]]]:
-    """Path -> its step records: a trainer of each path side by side (:func:`side_by_side`)."""
+    """Path -> its step records, with each process's resident memory: a trainer of each path side by side
+    (:func:`side_by_side`)."""
     from shell.run_config import load_run_config
 
     return side_by_side({
         path: load_run_config([*overrides, f"data_plane.enabled={'true' if path == 'data plane' else 'false'}",
                                f"grpo.num_steps={steps}"])
         for path in PATHS
-    }, steps)
+    }, steps, resident=True)
 
 
 def _median(records: Sequence[dict[str, Any]], key: str, warmup: int) -> float:
@@ -154,4 +170,39 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
         ["repeat", "parity", "phase ratios"],
         parity,
     )
+    report.table(
+        f"Resident memory per process (MiB, VmRSS right after each step): at step {cfg.warmup + 1}, at step "
+        f"{cfg.steps}, and its growth per 100 steps (least-squares slope over steps {cfg.warmup + 1}-{cfg.steps}); "
+        f"medians over the {cfg.repeats} repeats, each with fresh workers (the driver, this process, serves every "
+        f"repeat and both paths)",
+        ["path", "process", f"step {cfg.warmup + 1}", f"step {cfg.steps}", "growth / 100 steps",
+         "growth per repeat"],
+        resident_rows(results, cfg.warmup),
+    )
     report.finish()
+
+
+def resident_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup: int) -> list[list[str]]:
+    """The resident-memory table's rows from each path's runs of step records with ``rss_mib``: one row per path
+    and process, and one for the driver (read after the data plane's steps: one process serves both paths)."""
+    from shell.bench.memory import growth_per_100_steps
+
+    rows = []
+    for path, runs in results.items():
+        labels = [label for label in runs[0][0]["rss_mib"] if label != "driver"]
+        if path == "data plane":
+            labels.append("driver")
+        for label in labels:
+            kept = [run[warmup:] for run in runs]
+            growths = [
+                growth_per_100_steps([r["step"] for r in run], [r["rss_mib"][label] for r in run]) for run in kept
+            ]
+            rows.append([
+                "both" if label == "driver" else path,
+                label,
+                f"{statistics.median(run[0]['rss_mib'][label] for run in kept):.1f}",
+                f"{statistics.median(run[-1]['rss_mib'][label] for run in kept):.1f}",
+                f"{statistics.median(growths):+.2f}",
+                f"{min(growths):+.2f} to {max(growths):+.2f}",
+            ])
+    return rows

@@ -40,8 +40,6 @@ resource); TransferQueue's controller goes where Ray puts it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import os
 import statistics
 import time
@@ -55,6 +53,7 @@ import numpy as np
 import ray
 import torch
 
+from shell.bench import memory
 from shell.bench.nodes import NODE_RESOURCE, NodesConfig, describe, node_pids, start_cluster
 from shell.bench.report import Report
 from shell.bench.traffic import Traffic, node_traffic, snapshot
@@ -372,32 +371,6 @@ class RowProducer:
             store.close()
 
 
-def _settle_memory() -> None:
-    """Free what the driver no longer holds (Python's garbage, then glibc's free pages), so the RSS a step starts
-    from is what lives on, not what an earlier step left in the allocator."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _reset_peak_rss() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-def _rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("/proc/self/status has no VmRSS line")
-
-
-def _peak_rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
-
-
 def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[str, Any]]:
     """The row sweep (see the module docstring); one result per N and path."""
     from adapters import tq_system
@@ -451,10 +424,10 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
 
                 def step(path: str, seed: int) -> tuple[float, int, int, float, float]:
                     policy, transport = policies[path], transports[path]
-                    _settle_memory()
+                    memory.settle()
                     before = snapshot()
-                    _reset_peak_rss()
-                    resident = _rss_mib()
+                    memory.reset_peak()
+                    resident = memory.resident_mib()
                     start = time.perf_counter()
                     if path == "legacy":
                         data = ray.get(producer.batch.remote(n, seed, cfg.max_len))
@@ -471,7 +444,7 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
                     finally:
                         moved = transport.finish(rows)
                     seconds = time.perf_counter() - start
-                    peak = _peak_rss_mib()
+                    peak = _peakmemory.resident_mib()
                     traffic = node_traffic(before, snapshot(), owners).get("head", (0, 0))
                     return seconds, moved.driver_bytes, traffic[0] + traffic[1], peak, peak - resident
 

@@ -1,0 +1,103 @@
+"""Laws of the benches' memory readings: the labels of a nested pid record, the growth slope, the grpo bench's
+resident-memory rows, and reading this node's processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shell.bench.grpo import resident_rows
+from shell.bench.memory import growth_per_100_steps, process_labels, resident_mib
+
+pids = st.integers(1, 2**22)
+roles = st.text("abcdefgh", min_size=1, max_size=6)
+records = st.recursive(pids | st.none(), lambda inner: st.dictionaries(roles, inner, max_size=4), max_leaves=12)
+
+
+def _leaves(record: object) -> list[int]:
+    if isinstance(record, dict):
+        return [pid for value in record.values() for pid in _leaves(value)]
+    return [] if record is None else [record]
+
+
+@given(st.dictionaries(roles, records, max_size=5))
+def test_process_labels_keeps_every_known_pid_once(info: dict) -> None:
+    """Flattening keeps each known pid under one label and drops the unknown (None) ones; a label is the path of
+    roles joined by spaces."""
+    labels = process_labels(info)
+    assert sorted(labels.values()) == sorted(_leaves(info))
+    assert process_labels({"policy": {"0": 7, "1": 8}, "rollout": 9, "store": {"index": None}}) == {
+        "policy 0": 7, "policy 1": 8, "rollout": 9,
+    }
+
+
+@given(
+    st.lists(st.integers(0, 10_000), min_size=2, max_size=40, unique=True),
+    st.floats(-50, 50), st.floats(0, 4096),
+)
+def test_growth_of_a_steady_series_is_its_slope(steps: list[int], per_step: float, start: float) -> None:
+    """A series that grows by ``per_step`` MiB a step grows by 100 x that per 100 steps, wherever it starts."""
+    mib = [start + per_step * s for s in steps]
+    assert growth_per_100_steps(steps, mib) == pytest.approx(100 * per_step, abs=1e-6)
+
+
+@given(st.lists(st.floats(0, 4096), min_size=2, max_size=40))
+def test_growth_is_the_same_from_any_offset(mib: list[float]) -> None:
+    """Adding a constant to every reading leaves the growth where it was."""
+    steps = list(range(3, 3 + len(mib)))
+    assert growth_per_100_steps(steps, [m + 100 for m in mib]) == pytest.approx(
+        growth_per_100_steps(steps, mib), abs=1e-6
+    )
+
+
+def test_growth_needs_one_reading_per_step_and_two_steps() -> None:
+    assert growth_per_100_steps([5], [1.0]) == 0.0
+    with pytest.raises(ValueError, match=r"'mib' must have one value per step \(3\): got 2"):
+        growth_per_100_steps([1, 2, 3], [1.0, 2.0])
+
+
+def _run(growth: dict[str, float], steps: int, base: float) -> list[dict]:
+    return [{"step": s, "rss_mib": {label: base + g * s for label, g in growth.items()}} for s in range(1, steps + 1)]
+
+
+@given(st.floats(0, 2), st.floats(0, 2), st.integers(0, 3))
+def test_resident_rows_give_each_process_its_growth(leak: float, driver: float, warmup: int) -> None:
+    """One row per path and process (the driver once, as both paths'), reading each process's steady growth per
+    100 steps, and its memory at the first step after the warm-up and at the last."""
+    results = {
+        "legacy": [_run({"driver": driver, "policy 0": leak}, 10, 400.0)] * 3,
+        "data plane": [_run({"driver": driver, "policy 0": 0.0, "store index": leak}, 10, 300.0)] * 3,
+    }
+    rows = resident_rows(results, warmup)
+    assert [(r[0], r[1]) for r in rows] == [
+        ("legacy", "policy 0"), ("data plane", "policy 0"), ("data plane", "store index"), ("both", "driver"),
+    ]
+    by_process = {(r[0], r[1]): r for r in rows}
+    assert float(by_process["legacy", "policy 0"][4]) == pytest.approx(100 * leak, abs=0.01)
+    assert float(by_process["data plane", "policy 0"][4]) == pytest.approx(0.0, abs=0.01)
+    assert float(by_process["both", "driver"][4]) == pytest.approx(100 * driver, abs=0.01)
+    assert float(by_process["data plane", "store index"][2]) == pytest.approx(300 + leak * (warmup + 1), abs=0.05)
+    assert float(by_process["data plane", "store index"][3]) == pytest.approx(300 + leak * 10, abs=0.05)
+
+
+def test_resident_mib_reads_this_node_and_names_a_gone_process() -> None:
+    """This process's reading is its own; a child that allocated 64 MiB reads at least that; a process that has
+    exited raises ``ProcessLookupError`` naming its pid."""
+    assert resident_mib() == pytest.approx(resident_mib(os.getpid()), rel=0.05)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; b = bytearray(64 << 20); sys.stdout.write('ready\\n'); sys.stdout.flush();"
+         " sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        assert resident_mib(child.pid) >= 64
+    finally:
+        child.communicate("")
+    with pytest.raises(ProcessLookupError, match=rf"no process {child.pid} on this node"):
+        resident_mib(child.pid)
