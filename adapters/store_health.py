@@ -43,6 +43,8 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
+from adapters import proc_memory
+
 T = TypeVar("T")
 
 
@@ -147,18 +149,36 @@ def _process_id(_actor: Any) -> int:
     return os.getpid()
 
 
-def actor_pids(handles: Sequence[ActorHandle], timeout_s: float) -> list[int | None]:
-    """Each actor's process id (None for one that did not answer within ``timeout_s`` or is dead)."""
-    refs = [h.__ray_call__.remote(_process_id) for h in handles]
+def _resident_mib(_actor: Any) -> float:
+    return proc_memory.resident_mib()
+
+
+def _ask_actors(handles: Sequence[ActorHandle], function: Callable[[Any], Any], timeout_s: float) -> list[Any]:
+    """``function(actor)`` run inside each actor's process (``__ray_call__``): each answer, or None for an actor that
+    did not answer within ``timeout_s`` or is dead."""
+    refs = [h.__ray_call__.remote(function) for h in handles]
+    if not refs:
+        return []
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     done = set(ready)
-    pids: list[int | None] = []
+    answers: list[Any] = []
     for ref in refs:
         try:
-            pids.append(int(ray.get(ref)) if ref in done else None)
+            answers.append(ray.get(ref) if ref in done else None)
         except RayError:
-            pids.append(None)
-    return pids
+            answers.append(None)
+    return answers
+
+
+def actor_pids(handles: Sequence[ActorHandle], timeout_s: float) -> list[int | None]:
+    """Each actor's process id (None for one that did not answer within ``timeout_s`` or is dead)."""
+    return [None if pid is None else int(pid) for pid in _ask_actors(handles, _process_id, timeout_s)]
+
+
+def actor_resident_mib(handles: Sequence[ActorHandle], timeout_s: float) -> list[float | None]:
+    """Each actor's resident memory in MiB, read by the actor itself, on whatever node it runs (None for one that did
+    not answer within ``timeout_s`` or is dead)."""
+    return _ask_actors(handles, _resident_mib, timeout_s)
 
 
 class ActorParts:
@@ -181,6 +201,10 @@ class ActorParts:
     @property
     def parts(self) -> tuple[StorePart, ...]:
         return tuple(part for part, _ in self._parts)
+
+    def resident_mib(self, timeout_s: float) -> dict[str, float | None]:
+        """Each part's resident memory in MiB, by role (None for a part that did not answer within ``timeout_s``)."""
+        return dict(zip((part.role for part, _ in self._parts), actor_resident_mib([h for _, h in self._parts], timeout_s)))
 
     @property
     def failure(self) -> StoreFailure | None:
@@ -248,6 +272,11 @@ class ProbedActors:
             StoreFailure: one is dead or does not answer within ``deadlines.probe_timeout_s`` (naming it).
         """
         self._parts.check(self._deadlines.probe_timeout_s)
+
+    def parts_resident_mib(self) -> dict[str, float | None]:
+        """Each part's resident memory in MiB, by role, read by the part itself (None for one that did not answer
+        within ``deadlines.probe_timeout_s``)."""
+        return self._parts.resident_mib(self._deadlines.probe_timeout_s)
 
     def note_failure(self, failure: StoreFailure) -> None:
         """Take ``failure`` (found by another process's call, e.g. a worker's) as this store's: every later call

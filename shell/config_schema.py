@@ -213,6 +213,10 @@ class RunSection:
     progress: ProgressMode = _key("auto | bar | plain | off")
     checkpoint_every: int = _key("also checkpoint every N steps (0: only at the end)", _at_least(0))
     samples_to_log: int = _key("decoded responses written per step to samples.jsonl", _at_least(0))
+    memory_every: int = _key(
+        "every N steps, each process's resident memory in the step's record (rss_mib, MiB by process); 0: never",
+        _at_least(0),
+    )
     overwrite: bool = _key("true: reuse a run.dir holding an earlier run, deleting its files (else use --resume)")
 
 

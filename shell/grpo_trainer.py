@@ -49,6 +49,7 @@ from core.sharding import PackingSpec
 from core.step_plan import TrainResult
 from core.task import Task
 from core.topology import NamedSharding
+from adapters import proc_memory
 from adapters.store_health import HealthCheckedStore, StoreFailure, StorePart, failure_in
 from adapters.store_port import DataPlaneClient
 from shell.config_error import ConfigError
@@ -477,6 +478,24 @@ class GRPOTrainer:
         out["store"] = {part.role: part.pid for part in self.store_parts()}
         return out
 
+    def resident_memory(self) -> dict[str, float | None]:
+        """Each process's resident memory in MiB, read by the process itself on its own node: ``driver``, ``policy
+        <rank>`` per rank, the source's actors (``rollout`` or ``collector``) and ``store <role>`` per store part
+        (e.g. ``store TransferQueue controller``; None for a part that did not answer within the store's
+        ``deadlines.probe_timeout_s``). Every ``run.memory_every`` steps, :meth:`step` adds it to its record as
+        ``rss_mib``, after the step's time is taken."""
+        from shell.worker import Worker
+
+        out: dict[str, float | None] = {"driver": proc_memory.resident_mib()}
+        if self.policy is not None:
+            out.update({f"policy {rank}": mib for rank, mib in enumerate(self.policy.group.call(Worker.resident_mib))})
+        if self.source is not None:
+            out.update(self.source.resident_mib())
+        parts = getattr(self._health_checked(), "parts_resident_mib", None)
+        if parts is not None:
+            out.update({f"store {role}": mib for role, mib in parts().items()})
+        return out
+
     def node_ids(self) -> dict[str, Any]:
         """Where the run's processes are: the Ray node id of the driver, of each policy rank (by rank), of the
         source's actors (by role), of each TransferQueue storage unit this trainer started (``storage``, by name),
@@ -545,7 +564,11 @@ class GRPOTrainer:
                 (the step's keys are cleared).
         """
         try:
-            return self._step(step)
+            record = self._step(step)
+            every = self.config.run.memory_every
+            if every and step % every == 0:
+                record["rss_mib"] = self.resident_memory()
+            return record
         except NotEnoughGroups as error:
             with contextlib.suppress(Exception):
                 self._abort_step()

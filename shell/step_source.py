@@ -112,6 +112,10 @@ class StepSource(Protocol):
         """The Ray node ids of the source's actors, by role (where ``ray.placement`` put them)."""
         ...
 
+    def resident_mib(self) -> dict[str, float]:
+        """The resident memory of the source's actors in MiB, by role (each reads its own, on its node)."""
+        ...
+
     def close(self) -> None:
         """Stop the source's actors, releasing every key they hold. Idempotent, best effort."""
         ...
@@ -192,6 +196,11 @@ class RolloutSource:
         from shell.worker import Worker
 
         return {"rollout": self._call_engine(Worker.process_id)}
+
+    def resident_mib(self) -> dict[str, float]:
+        from shell.worker import Worker
+
+        return {"rollout": self._call_engine(Worker.resident_mib)}
 
     def _call_engine(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         """``method`` on the engine; a failure is a :class:`WorkerError` naming the rollout engine."""
@@ -370,6 +379,11 @@ class CollectorSource:
         from shell.worker import Worker
 
         return {"collector": self._call_collector(Worker.process_id)}
+
+    def resident_mib(self) -> dict[str, float]:
+        from shell.worker import Worker
+
+        return {"collector": self._call_collector(Worker.resident_mib)}
 
     def node_ids(self) -> dict[str, str]:
         from shell.worker import Worker

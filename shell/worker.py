@@ -29,6 +29,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from adapters import proc_memory
 from core.dispatch import replica_groups
 from core.topology import Coords, NamedSharding, Rank
 from shell.broadcast import broadcast_tensors, describe
@@ -174,6 +175,11 @@ class Worker:
     def process_id(self) -> int:
         """This worker's OS process id (for operators: e.g. to find or signal a rank's process)."""
         return os.getpid()
+
+    @on_all_ranks
+    def resident_mib(self) -> float:
+        """This worker's resident memory (``VmRSS``), in MiB (for operators: a leak shows as steady growth)."""
+        return proc_memory.resident_mib()
 
     @on_all_ranks
     def node_id(self) -> str:

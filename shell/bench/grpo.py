@@ -12,10 +12,10 @@ here by 10-15% in speed from one process set to the next, which swamps a
 few per cent.) Per path it also reports the median step time, the median
 bytes through the driver per step and the store traffic. It checks parity:
 per-step rewards, losses and grad norms must be bitwise equal between the
-paths. And it reads every process's resident memory after each step (the
-driver, the policy ranks, the rollout engine, the store's parts), with its
-growth per 100 steps: a long run (``--steps 400``) shows a leak in any of
-them as a steady slope.
+paths. And it reads every process's resident memory after each step
+(``run.memory_every=1``: the driver, the policy ranks, the rollout engine,
+the store's parts), with its growth per 100 steps: a long run (``--steps
+300``) shows a leak in any of them as a steady slope.
 """
 
 from __future__ import annotations
@@ -47,39 +47,27 @@ class GrpoBenchConfig:
 PATHS = ("legacy", "data plane")
 
 
-def side_by_side(
-    configs: Mapping[str, Any], steps: int, *, resident: bool = False
-) -> dict[str, list[dict[str, Any]]]:
+def side_by_side(configs: Mapping[str, Any], steps: int) -> dict[str, list[dict[str, Any]]]:
     """Name -> step records (``samples`` dropped) of a trainer per run config, all started side by side in this
     process (on its Ray: started here unless one is up) and stepped in turn for ``steps`` steps, the order
     alternating: the configs' order on odd steps, reversed on even ones.
 
     Stepping in turn puts every trainer's step at the same moment on the machine, so per-step ratios compare like
     with like; separate runs here differ by 10-15% in speed from one process set to the next.
-
-    With ``resident``, each record also has ``rss_mib``: process label -> its resident memory in MiB right after
-    the step, for this trainer's processes (:func:`shell.bench.memory.process_labels` of its ``process_ids()``; the
-    driver, this process, is every trainer's). Those processes must run on this node.
     """
-    from shell.bench.memory import process_labels, resident_mib
     from shell.grpo_trainer import GRPOTrainer
 
     names = list(configs)
     trainers: dict[str, Any] = {}
     records: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    processes: dict[str, dict[str, int]] = {}
     try:
         for name in names:
             trainers[name] = GRPOTrainer(configs[name])
             trainers[name].start()
-            if resident:
-                processes[name] = process_labels(trainers[name].process_ids())
         for step in range(1, steps + 1):
             for name in names if step % 2 else names[::-1]:
                 record = trainers[name].step(step)
                 record.pop("samples", None)
-                if resident:
-                    record["rss_mib"] = {label: resident_mib(pid) for label, pid in processes[name].items()}
                 records[name].append(record)
     finally:
         for trainer in trainers.values():
@@ -89,15 +77,15 @@ def side_by_side(
 
 
 def _run_pair(overrides: Sequence[str], steps: int) -> dict[str, list[dict[str, Any]]]:
-    """Path -> its step records, with each process's resident memory: a trainer of each path side by side
-    (:func:`side_by_side`)."""
+    """Path -> its step records, each with every process's resident memory (``rss_mib``): a trainer of each path
+    side by side (:func:`side_by_side`)."""
     from shell.run_config import load_run_config
 
     return side_by_side({
         path: load_run_config([*overrides, f"data_plane.enabled={'true' if path == 'data plane' else 'false'}",
-                               f"grpo.num_steps={steps}"])
+                               f"grpo.num_steps={steps}", "run.memory_every=1"])
         for path in PATHS
-    }, steps, resident=True)
+    }, steps)
 
 
 def _median(records: Sequence[dict[str, Any]], key: str, warmup: int) -> float:
@@ -182,26 +170,45 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
     report.finish()
 
 
-def resident_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup: int) -> list[list[str]]:
-    """The resident-memory table's rows from each path's runs of step records with ``rss_mib``: one row per path
-    and process, and one for the driver (read after the data plane's steps: one process serves both paths)."""
-    from shell.bench.memory import growth_per_100_steps
+def growth_per_100_steps(steps: Sequence[int], mib: Sequence[float]) -> float:
+    """The least-squares slope of ``mib`` over ``steps``, per 100 steps (0.0 for fewer than two steps).
 
+    A slope over every step, rather than last minus first, reads a steady leak through the step-to-step noise of a
+    process's allocator.
+    """
+    if len(steps) != len(mib):
+        raise ValueError(f"'mib' must have one value per step ({len(steps)}): got {len(mib)}")
+    if len(steps) < 2:
+        return 0.0
+    return statistics.linear_regression(steps, mib).slope * 100
+
+
+def _readings(run: Sequence[dict[str, Any]], process: str) -> list[float]:
+    values = [r["rss_mib"].get(process) for r in run]
+    for record, value in zip(run, values):
+        if value is None:
+            raise RuntimeError(f"no resident memory of {process!r} at step {record['step']}: it did not answer")
+    return values
+
+
+def resident_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup: int) -> list[list[str]]:
+    """The resident-memory table's rows from each path's runs of step records with ``rss_mib``
+    (``GRPOTrainer.resident_memory``): one row per path and process, and one for the driver (read after the data
+    plane's steps: one process serves both paths)."""
     rows = []
     for path, runs in results.items():
-        labels = [label for label in runs[0][0]["rss_mib"] if label != "driver"]
+        processes = [name for name in runs[0][0]["rss_mib"] if name != "driver"]
         if path == "data plane":
-            labels.append("driver")
-        for label in labels:
+            processes.append("driver")
+        for process in processes:
             kept = [run[warmup:] for run in runs]
-            growths = [
-                growth_per_100_steps([r["step"] for r in run], [r["rss_mib"][label] for r in run]) for run in kept
-            ]
+            series = [_readings(run, process) for run in kept]
+            growths = [growth_per_100_steps([r["step"] for r in run], mib) for run, mib in zip(kept, series)]
             rows.append([
-                "both" if label == "driver" else path,
-                label,
-                f"{statistics.median(run[0]['rss_mib'][label] for run in kept):.1f}",
-                f"{statistics.median(run[-1]['rss_mib'][label] for run in kept):.1f}",
+                "both" if process == "driver" else path,
+                process,
+                f"{statistics.median(mib[0] for mib in series):.1f}",
+                f"{statistics.median(mib[-1] for mib in series):.1f}",
                 f"{statistics.median(growths):+.2f}",
                 f"{min(growths):+.2f} to {max(growths):+.2f}",
             ])

@@ -53,7 +53,7 @@ import numpy as np
 import ray
 import torch
 
-from shell.bench import memory
+from adapters import proc_memory
 from shell.bench.nodes import NODE_RESOURCE, NodesConfig, describe, node_pids, start_cluster
 from shell.bench.report import Report
 from shell.bench.traffic import Traffic, node_traffic, snapshot
@@ -424,10 +424,10 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
 
                 def step(path: str, seed: int) -> tuple[float, int, int, float, float]:
                     policy, transport = policies[path], transports[path]
-                    memory.settle()
+                    proc_memory.settle()
                     before = snapshot()
-                    memory.reset_peak()
-                    resident = memory.resident_mib()
+                    proc_memory.reset_peak()
+                    resident = proc_memory.resident_mib()
                     start = time.perf_counter()
                     if path == "legacy":
                         data = ray.get(producer.batch.remote(n, seed, cfg.max_len))
@@ -444,7 +444,7 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
                     finally:
                         moved = transport.finish(rows)
                     seconds = time.perf_counter() - start
-                    peak = _peakmemory.resident_mib()
+                    peak = proc_memory.peak_resident_mib()
                     traffic = node_traffic(before, snapshot(), owners).get("head", (0, 0))
                     return seconds, moved.driver_bytes, traffic[0] + traffic[1], peak, peak - resident
 

@@ -95,6 +95,21 @@ def test_async_records_its_metrics_and_sync_records_zeros(parity_runs: dict[str,
         assert record["collector_wait_s"] == 0.0
 
 
+def test_every_tenth_record_has_each_process_resident_memory(parity_runs: dict[str, Any]) -> None:
+    """``run.memory_every`` (10 by default): steps 10 and 20 carry ``rss_mib``, the resident MiB of the driver, both
+    policy ranks, the source's actor (the rollout engine, or async the collector) and each store part; no other step
+    does."""
+    for name, source in (("sync", "rollout"), ("async_tq", "collector"), ("async_memory", "collector")):
+        for record in parity_runs[name]["records"]:
+            if record["step"] % 10:
+                assert "rss_mib" not in record, f"{name} step {record['step']}"
+                continue
+            rss = record["rss_mib"]
+            assert {"driver", "policy 0", "policy 1", source} <= set(rss), f"{name} step {record['step']}: {rss}"
+            assert any(process.startswith("store ") for process in rss), f"{name}: {rss}"
+            assert all(isinstance(mib, float) and 50 < mib < 8192 for mib in rss.values()), f"{name}: {rss}"
+
+
 def test_async_parity_runs_leave_no_keys(parity_runs: dict[str, Any]) -> None:
     """After the runs, TransferQueue holds none of their keys (receipts in the buffer were cleared at shutdown)."""
     store = TransferQueueStore.attach()

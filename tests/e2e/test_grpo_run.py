@@ -39,6 +39,7 @@ SMALL = [
     "grpo.loss.kl_coef=0.05",
     "policy.train_global_batch_size=8",
     "run.progress=plain",
+    "run.memory_every=2",
 ]
 REQUIRED_KEYS = (
     "step", "reward_mean", "entropy", "loss", "kl", "grad_norm", "step_time_s", "data_plane_ms", "data_plane_bytes",
@@ -91,6 +92,22 @@ def test_run_records_policy_entropy_within_bounds(runs: dict[str, Any]) -> None:
             entropy = record["entropy"]
             assert isinstance(entropy, float) and math.isfinite(entropy), f"{name} step {record['step']}: {entropy!r}"
             assert 0.0 <= entropy <= bound + 1e-6, f"{name} step {record['step']}: {entropy} not in [0, {bound}]"
+
+
+def test_run_records_each_process_resident_memory_every_memory_every_steps(runs: dict[str, Any]) -> None:
+    """``run.memory_every=2``: steps 2 and 4 carry ``rss_mib``, the resident MiB of the driver, both policy ranks and
+    the rollout engine, and on the data plane each TransferQueue part; the others carry none."""
+    for name, run in runs.items():
+        for record in run["records"]:
+            if record["step"] % 2:
+                assert "rss_mib" not in record, f"{name} step {record['step']}"
+                continue
+            rss = record["rss_mib"]
+            assert {"driver", "policy 0", "policy 1", "rollout"} <= set(rss), f"{name} step {record['step']}: {rss}"
+            store = {process for process in rss if process.startswith("store ")}
+            assert ("store TransferQueue controller" in store) == (name == "data_plane"), f"{name}: {rss}"
+            assert len(rss) == 4 + len(store), f"{name}: {rss}"
+            assert all(isinstance(mib, float) and 50 < mib < 8192 for mib in rss.values()), f"{name}: {rss}"
 
 
 def test_run_data_plane_leaves_no_keys(runs: dict[str, Any], partition: str) -> None:

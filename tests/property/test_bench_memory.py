@@ -1,5 +1,5 @@
-"""Laws of the benches' memory readings: the labels of a nested pid record, the growth slope, the grpo bench's
-resident-memory rows, and reading this node's processes."""
+"""Laws of memory readings: a process's resident memory from ``/proc``, the growth slope, and the grpo bench's
+resident-memory rows."""
 
 from __future__ import annotations
 
@@ -11,29 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shell.bench.grpo import resident_rows
-from shell.bench.memory import growth_per_100_steps, process_labels, resident_mib
-
-pids = st.integers(1, 2**22)
-roles = st.text("abcdefgh", min_size=1, max_size=6)
-records = st.recursive(pids | st.none(), lambda inner: st.dictionaries(roles, inner, max_size=4), max_leaves=12)
-
-
-def _leaves(record: object) -> list[int]:
-    if isinstance(record, dict):
-        return [pid for value in record.values() for pid in _leaves(value)]
-    return [] if record is None else [record]
-
-
-@given(st.dictionaries(roles, records, max_size=5))
-def test_process_labels_keeps_every_known_pid_once(info: dict) -> None:
-    """Flattening keeps each known pid under one label and drops the unknown (None) ones; a label is the path of
-    roles joined by spaces."""
-    labels = process_labels(info)
-    assert sorted(labels.values()) == sorted(_leaves(info))
-    assert process_labels({"policy": {"0": 7, "1": 8}, "rollout": 9, "store": {"index": None}}) == {
-        "policy 0": 7, "policy 1": 8, "rollout": 9,
-    }
+from adapters.proc_memory import resident_mib
+from shell.bench.grpo import growth_per_100_steps, resident_rows
 
 
 @given(
@@ -83,6 +62,14 @@ def test_resident_rows_give_each_process_its_growth(leak: float, driver: float, 
     assert float(by_process["both", "driver"][4]) == pytest.approx(100 * driver, abs=0.01)
     assert float(by_process["data plane", "store index"][2]) == pytest.approx(300 + leak * (warmup + 1), abs=0.05)
     assert float(by_process["data plane", "store index"][3]) == pytest.approx(300 + leak * 10, abs=0.05)
+
+
+def test_resident_rows_name_a_process_that_did_not_answer() -> None:
+    """A reading the trainer could not take (None) is an error naming the process and the step, not a gap."""
+    run = _run({"driver": 0.0, "store index": 0.0}, 6, 300.0)
+    run[4]["rss_mib"]["store index"] = None
+    with pytest.raises(RuntimeError, match=r"no resident memory of 'store index' at step 5"):
+        resident_rows({"data plane": [run]}, 2)
 
 
 def test_resident_mib_reads_this_node_and_names_a_gone_process() -> None:

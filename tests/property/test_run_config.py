@@ -266,6 +266,7 @@ IMPOSSIBLE = [
     (["seed=-1"], "seed"),
     (["run.checkpoint_every=-1"], "run.checkpoint_every"),
     (["run.samples_to_log=-1"], "run.samples_to_log"),
+    (["run.memory_every=-1"], "run.memory_every"),
     (["ray.num_cpus=0"], "ray.num_cpus"),
     (["grpo.num_steps=0"], "grpo.num_steps"),
     (["grpo.num_prompts_per_step=0"], "grpo.num_prompts_per_step"),
