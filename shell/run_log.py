@@ -38,6 +38,8 @@ PHASE_SUFFIX = "_s"
 STEP_KEY = "step"
 STEP_TIME_KEY = "step_time_s"
 REWARD_KEY = "reward_mean"
+MEMORY_KEY = "rss_mib"
+"""Every ``run.memory_every`` steps: each process's resident memory in MiB, by process (``GRPOTrainer.resident_memory``)."""
 LOSS_KEY = "loss"
 
 Record = dict[str, Any]  # one step: str -> JSON value (None, bool, int, float, str, list, dict)

@@ -1,5 +1,6 @@
-"""The run's figures: ``reward.png`` (reward per step, stacked phase seconds per step, reward over wall-clock
-seconds) and a comparison of several runs (reward per step and over wall-clock seconds, one line per run).
+"""The run's figures: ``reward.png`` (reward per step, stacked phase seconds per step, each process's resident
+memory per step when the records carry it, reward over wall-clock seconds) and a comparison of several runs
+(reward per step and over wall-clock seconds, one line per run).
 
 ``plot_run`` and ``plot_compare`` read records (as :mod:`shell.run_log`
 writes them) and draw them on their own Agg canvas, never through
@@ -26,6 +27,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from shell.run_log import (
+    MEMORY_KEY,
     REWARD_KEY,
     STEP_KEY,
     STEP_TIME_KEY,
@@ -116,6 +118,27 @@ def _rewards(ordered: Ordered) -> list[float]:
     return [record_number(record, REWARD_KEY, where) for _, where, record in ordered]
 
 
+def _memory(ordered: Ordered) -> dict[str, tuple[list[int], list[float]]]:
+    """Process -> (steps, MiB) of its readings in the records' ``rss_mib``, in step order; a missing or ``None``
+    reading is a gap, and processes come in the order they are first read."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for step, where, record in ordered:
+        readings = record.get(MEMORY_KEY)
+        if readings is None:
+            continue
+        if not isinstance(readings, Mapping):
+            raise TypeError(
+                f"'{where}[{MEMORY_KEY!r}]' must map each process to its MiB: got {type(readings).__name__}"
+            )
+        for process in readings:
+            mib = record_number(readings, process, f"{where}[{MEMORY_KEY!r}]")
+            steps, values = series.setdefault(str(process), ([], []))
+            if math.isfinite(mib):
+                steps.append(step)
+                values.append(mib)
+    return series
+
+
 def _reward_limits(axes: Axes, rewards: Sequence[float]) -> None:
     """y from 0 to ``max(1, max reward)`` (down to the lowest reward when one is negative)."""
     finite = [r for r in rewards if math.isfinite(r)]
@@ -145,8 +168,9 @@ def plot_run(
     window: int = 5,
     dpi: int = 100,
 ) -> Path:
-    """Write a PNG of a run: reward per step (top), stacked phase seconds per step (middle), reward over
-    wall-clock seconds (bottom).
+    """Write a PNG of a run: reward per step (top), stacked phase seconds per step (middle), each process's
+    resident memory per step (below it, only when a record has ``rss_mib``), reward over wall-clock seconds
+    (bottom).
 
     Top: ``reward_mean`` per step as points plus a trailing rolling mean over
     ``window`` steps; y spans 0 to ``max(1, max reward)`` (down to the lowest
@@ -154,22 +178,24 @@ def plot_run(
     ``phase_<name>_s`` seconds, plus an ``other`` segment for the part of
     ``step_time_s`` no phase covers. Bottom: the same rewards and rolling mean
     at :func:`wall_clock` seconds (cumulative ``step_time_s``), to compare runs
-    of different speeds. Records are drawn in step order; a missing or
-    ``None`` value is a gap.
+    of different speeds. Memory: one line per process of the MiB its
+    ``rss_mib`` readings give (``run.memory_every``), where a leak shows as a
+    steady climb. Records are drawn in step order; a missing or ``None`` value
+    is a gap.
 
     Args:
         records: the run's records, e.g. ``read_metrics(path)``.
         path: the PNG to write (parent folders are created).
         title: the figure's title, e.g. the run name.
         window: the rolling-mean window, in steps.
-        dpi: resolution; the figure is 9 x 8 inches.
+        dpi: resolution; the figure is 9 x 8 inches, 9 x 10.5 with the memory panel.
 
     Returns:
         ``path`` as a ``Path``.
 
     Raises:
-        TypeError: ``records`` is not a sequence of mappings, ``window`` is not an int, or a
-            plotted value is not a number.
+        TypeError: ``records`` is not a sequence of mappings, ``window`` is not an int, a
+            plotted value is not a number, or an ``rss_mib`` is not a mapping.
         ValueError: ``records`` is empty, a record lacks ``step`` or ``reward_mean``, or ``window`` < 1.
 
     Example:
@@ -190,10 +216,15 @@ def plot_run(
     step_times = [record_number(record, STEP_TIME_KEY, where) for _, where, record in ordered]
     covered = [math.fsum(values) for values in zip(*seconds.values())] if phases else [0.0] * len(ordered)
     other = [max(0.0, total - done) if math.isfinite(total) else 0.0 for total, done in zip(step_times, covered)]
+    memory = _memory(ordered)
 
-    figure = Figure(figsize=(9, 8), dpi=dpi, layout="constrained")
+    if memory:
+        figure = Figure(figsize=(9, 10.5), dpi=dpi, layout="constrained")
+        top, middle, resident, bottom = figure.subplots(4, 1, height_ratios=[3, 2, 2.5, 3])
+    else:
+        figure = Figure(figsize=(9, 8), dpi=dpi, layout="constrained")
+        top, middle, bottom = figure.subplots(3, 1, height_ratios=[3, 2, 3])
     FigureCanvasAgg(figure)
-    top, middle, bottom = figure.subplots(3, 1, height_ratios=[3, 2, 3])
     middle.sharex(top)
     top.tick_params(labelbottom=False)
 
@@ -219,6 +250,18 @@ def plot_run(
     middle.set_ylabel("seconds")
     middle.set_xlabel(STEP_KEY)
     middle.grid(True, axis="y", alpha=0.3)
+
+    if memory:
+        resident.sharex(top)
+        middle.tick_params(labelbottom=False)
+        middle.set_xlabel("")
+        lines = colormaps["tab10"]  # distinct hues (tab20 pairs a dark with a light one)
+        for index, (process, (at, mib)) in enumerate(memory.items()):
+            resident.plot(at, mib, "o-", markersize=2.5, linewidth=1.2, label=process, color=lines(index % lines.N))
+        resident.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", title="process")
+        resident.set_ylabel("resident MiB")
+        resident.set_xlabel(STEP_KEY)
+        resident.grid(True, alpha=0.3)
 
     bottom.plot(clock, rewards, "o", markersize=3, alpha=0.6, label=REWARD_KEY)
     bottom.plot(clock, rolling, "-", linewidth=2, label=f"rolling mean ({window} steps)")

@@ -83,6 +83,44 @@ def test_plot_run_draws_the_wall_clock_from_step_times(tmp_path: Path) -> None:
     assert plot_run(slower, tmp_path / "c.png").read_bytes() != same
 
 
+def _with_memory(records: list[dict[str, Any]], every: int = 3) -> list[dict[str, Any]]:
+    """Every ``every``-th record with ``rss_mib``: a driver, a leaking rank and a store part that once reads None."""
+    out = []
+    for record in records:
+        step = record["step"]
+        if step % every == 0:
+            record = {**record, "rss_mib": {"driver": 420.0, "policy 0": 450.0 + 2 * step,
+                                            "store index": None if step == every else 370.0}}
+        out.append(record)
+    return out
+
+
+def test_plot_run_adds_a_memory_panel_when_records_carry_rss_mib(tmp_path: Path) -> None:
+    """Records with ``rss_mib`` add a panel of each process's resident MiB (the figure grows to 9 x 10.5 inches);
+    without it the figure is the three panels; other readings give another figure."""
+    records = _records(30)
+    plain = plot_run(records, tmp_path / "plain.png").read_bytes()
+    with_memory = plot_run(_with_memory(records), tmp_path / "memory.png").read_bytes()
+    assert _png_size(plain) == (900, 800) and _png_size(with_memory) == (900, 1050)
+    flat = [{**r, "rss_mib": {**r["rss_mib"], "policy 0": 450.0}} if "rss_mib" in r else r for r in _with_memory(records)]
+    assert plot_run(flat, tmp_path / "flat.png").read_bytes() != with_memory
+
+
+def test_plot_run_memory_panel_depends_only_on_the_records_as_a_set(tmp_path: Path) -> None:
+    """Shuffled records with memory readings, some None and some steps without any, give the same bytes."""
+    records = _with_memory(_records(12))
+    first = plot_run(records, tmp_path / "a.png").read_bytes()
+    assert plot_run(_shuffled(records, seed=3), tmp_path / "b.png").read_bytes() == first
+
+
+def test_plot_run_rejects_memory_that_is_not_a_mapping_of_numbers(tmp_path: Path) -> None:
+    """A malformed ``rss_mib`` is a TypeError naming the record (and the process)."""
+    with pytest.raises(TypeError, match=r"'records\[1\]\['rss_mib'\]' must map each process to its MiB: got list"):
+        plot_run([{"step": 1, "reward_mean": 0.5}, {"step": 2, "reward_mean": 0.5, "rss_mib": [1.0]}], tmp_path / "r.png")
+    with pytest.raises(TypeError, match=r"'records\[0\]\['rss_mib'\]\['driver'\]' must be a number: got str"):
+        plot_run([{"step": 1, "reward_mean": 0.5, "rss_mib": {"driver": "big"}}], tmp_path / "r.png")
+
+
 def test_plot_run_rejects_empty_records(tmp_path: Path) -> None:
     """An empty run has nothing to plot and writes no file."""
     with pytest.raises(ValueError, match="'records' must hold at least one record to plot: got 0"):
