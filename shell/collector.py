@@ -159,17 +159,20 @@ class RolloutCollector(RolloutWorker):
                 )
                 elapsed = time.perf_counter() - started
                 receipts = group_receipts(result, num_generations=plan.num_generations, weight_version=version, batch_seq=seq)
-                if not self._hand_over(buffer, receipts):
-                    break
+                # Counted before the buffer has the batch: a trainer that samples it and then reads ``stats`` must
+                # find its tokens there (counted after the offer, a step could read 0 and the next step twice).
                 with self._cond:
-                    for key in keys:
-                        self._in_flight.pop(key, None)
                     io = client_io(self._client)
                     self._stats["batches"] += 1
                     self._stats["generated_tokens"] += sum(result.response_tokens)
                     self._stats["generate_s"] += elapsed
                     self._stats["store_ms"] += io["ms"]
                     self._stats["store_bytes"] += io["bytes"]
+                if not self._hand_over(buffer, receipts):
+                    break
+                with self._cond:
+                    for key in keys:
+                        self._in_flight.pop(key, None)
                 seq += 1
         finally:
             self._clear_in_flight(plan.partition_id)
@@ -225,7 +228,8 @@ class RolloutCollector(RolloutWorker):
     @on_all_ranks
     def stats(self) -> dict[str, float]:
         """Totals so far: ``batches``, ``generated_tokens``, ``generate_s``, ``wait_s`` (gate and full
-        buffer), ``store_ms``, ``store_bytes``, and ``version`` (of the engine's weights)."""
+        buffer), ``store_ms``, ``store_bytes``, and ``version`` (of the engine's weights). A batch counts once it
+        is generated, before the buffer takes it, so a trainer that sampled it finds it counted."""
         with self._cond:
             return {**self._stats, "version": float(self._version)}
 
