@@ -24,10 +24,15 @@ from typing import Any
 import attrs
 import ray
 
+from adapters.store_health import actor_pids, actor_resident_mib
 from adapters.store_port import DataPlaneClient
 from core.replay import GroupReceipt, ReplayState, drain, init_replay, offer, sample
 from shell.column_io import clear_stored
 from shell.model_worker import ClientFactory
+from shell.node_placement import node_of
+
+ASK_S = 10.0
+"""How long the buffer's pid or memory may take to come back (it serves one call at a time, each short)."""
 
 
 @attrs.frozen
@@ -123,6 +128,19 @@ class ReplayBufferClient:
 
     def stats(self) -> dict[str, int]:
         return ray.get(self.handle.stats.remote())
+
+    def process_id(self) -> int | None:
+        """The actor's OS pid (None if it does not answer within ``ASK_S``)."""
+        return actor_pids([self.handle], ASK_S)[0]
+
+    def resident_mib(self) -> float | None:
+        """The actor's resident memory in MiB, read by the actor itself (None if it does not answer within
+        ``ASK_S``)."""
+        return actor_resident_mib([self.handle], ASK_S)[0]
+
+    def node_id(self) -> str:
+        """The id of the Ray node the actor runs on."""
+        return node_of(self.handle)
 
     def drain(self, timeout_s: float | None = None) -> int:
         return ray.get(self.handle.drain.remote(), timeout=timeout_s)

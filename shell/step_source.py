@@ -112,8 +112,9 @@ class StepSource(Protocol):
         """The Ray node ids of the source's actors, by role (where ``ray.placement`` put them)."""
         ...
 
-    def resident_mib(self) -> dict[str, float]:
-        """The resident memory of the source's actors in MiB, by role (each reads its own, on its node)."""
+    def resident_mib(self) -> dict[str, float | None]:
+        """The resident memory of the source's actors in MiB, by role (each reads its own, on its node; None for
+        one that did not answer)."""
         ...
 
     def close(self) -> None:
@@ -197,7 +198,7 @@ class RolloutSource:
 
         return {"rollout": self._call_engine(Worker.process_id)}
 
-    def resident_mib(self) -> dict[str, float]:
+    def resident_mib(self) -> dict[str, float | None]:
         from shell.worker import Worker
 
         return {"rollout": self._call_engine(Worker.resident_mib)}
@@ -378,17 +379,21 @@ class CollectorSource:
     def process_ids(self) -> dict[str, int]:
         from shell.worker import Worker
 
-        return {"collector": self._call_collector(Worker.process_id)}
+        out = {"collector": self._call_collector(Worker.process_id)}
+        pid = self.buffer.process_id() if self.buffer is not None else None
+        return out if pid is None else {**out, "replay_buffer": pid}
 
-    def resident_mib(self) -> dict[str, float]:
+    def resident_mib(self) -> dict[str, float | None]:
         from shell.worker import Worker
 
-        return {"collector": self._call_collector(Worker.resident_mib)}
+        out = {"collector": self._call_collector(Worker.resident_mib)}
+        return out if self.buffer is None else {**out, "replay_buffer": self.buffer.resident_mib()}
 
     def node_ids(self) -> dict[str, str]:
         from shell.worker import Worker
 
-        return {"collector": self._call_collector(Worker.node_id)}
+        out = {"collector": self._call_collector(Worker.node_id)}
+        return out if self.buffer is None else {**out, "replay_buffer": self.buffer.node_id()}
 
     def _start(self, step: int) -> None:
         g = self.config.grpo

@@ -97,15 +97,17 @@ def test_async_records_its_metrics_and_sync_records_zeros(parity_runs: dict[str,
 
 def test_every_tenth_record_has_each_process_resident_memory(parity_runs: dict[str, Any]) -> None:
     """``run.memory_every`` (10 by default): steps 10 and 20 carry ``rss_mib``, the resident MiB of the driver, both
-    policy ranks, the source's actor (the rollout engine, or async the collector) and each store part; no other step
-    does."""
-    for name, source in (("sync", "rollout"), ("async_tq", "collector"), ("async_memory", "collector")):
+    policy ranks, the source's actors (the rollout engine; async, the collector and the replay buffer) and each store
+    part; no other step does."""
+    for name, source in (("sync", {"rollout"}), ("async_tq", {"collector", "replay_buffer"}),
+                         ("async_memory", {"collector", "replay_buffer"})):
         for record in parity_runs[name]["records"]:
             if record["step"] % 10:
                 assert "rss_mib" not in record, f"{name} step {record['step']}"
                 continue
             rss = record["rss_mib"]
-            assert {"driver", "policy 0", "policy 1", source} <= set(rss), f"{name} step {record['step']}: {rss}"
+            assert {"driver", "policy 0", "policy 1", *source} <= set(rss), f"{name} step {record['step']}: {rss}"
+            assert "replay_buffer" in source or "replay_buffer" not in rss, f"{name}: {rss}"
             assert any(process.startswith("store ") for process in rss), f"{name}: {rss}"
             assert all(isinstance(mib, float) and 50 < mib < 8192 for mib in rss.values()), f"{name}: {rss}"
 
