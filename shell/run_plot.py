@@ -139,6 +139,17 @@ def _memory(ordered: Ordered) -> dict[str, tuple[list[int], list[float]]]:
     return series
 
 
+def _draw_memory(axes: Axes, memory: Mapping[str, tuple[list[int], list[float]]]) -> None:
+    """One line per process of its resident MiB over the steps (:func:`_memory`)."""
+    lines = colormaps["tab10"]  # distinct hues (tab20 pairs a dark with a light one)
+    for index, (process, (at, mib)) in enumerate(memory.items()):
+        axes.plot(at, mib, "o-", markersize=2.5, linewidth=1.2, label=process, color=lines(index % lines.N))
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", title="process")
+    axes.set_ylabel("resident MiB")
+    axes.set_xlabel(STEP_KEY)
+    axes.grid(True, alpha=0.3)
+
+
 def _reward_limits(axes: Axes, rewards: Sequence[float]) -> None:
     """y from 0 to ``max(1, max reward)`` (down to the lowest reward when one is negative)."""
     finite = [r for r in rewards if math.isfinite(r)]
@@ -218,12 +229,9 @@ def plot_run(
     other = [max(0.0, total - done) if math.isfinite(total) else 0.0 for total, done in zip(step_times, covered)]
     memory = _memory(ordered)
 
-    if memory:
-        figure = Figure(figsize=(9, 10.5), dpi=dpi, layout="constrained")
-        top, middle, resident, bottom = figure.subplots(4, 1, height_ratios=[3, 2, 2.5, 3])
-    else:
-        figure = Figure(figsize=(9, 8), dpi=dpi, layout="constrained")
-        top, middle, bottom = figure.subplots(3, 1, height_ratios=[3, 2, 3])
+    figure = Figure(figsize=(9, 10.5 if memory else 8), dpi=dpi, layout="constrained")
+    panels = figure.subplots(4 if memory else 3, 1, height_ratios=[3, 2, 2.5, 3] if memory else [3, 2, 3])
+    top, middle, bottom = panels[0], panels[1], panels[-1]
     FigureCanvasAgg(figure)
     middle.sharex(top)
     top.tick_params(labelbottom=False)
@@ -248,20 +256,13 @@ def plot_run(
     else:
         middle.text(0.5, 0.5, "no phase timings in records", ha="center", va="center", transform=middle.transAxes)
     middle.set_ylabel("seconds")
-    middle.set_xlabel(STEP_KEY)
     middle.grid(True, axis="y", alpha=0.3)
-
     if memory:
-        resident.sharex(top)
         middle.tick_params(labelbottom=False)
-        middle.set_xlabel("")
-        lines = colormaps["tab10"]  # distinct hues (tab20 pairs a dark with a light one)
-        for index, (process, (at, mib)) in enumerate(memory.items()):
-            resident.plot(at, mib, "o-", markersize=2.5, linewidth=1.2, label=process, color=lines(index % lines.N))
-        resident.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", title="process")
-        resident.set_ylabel("resident MiB")
-        resident.set_xlabel(STEP_KEY)
-        resident.grid(True, alpha=0.3)
+        panels[2].sharex(top)
+        _draw_memory(panels[2], memory)
+    else:
+        middle.set_xlabel(STEP_KEY)
 
     bottom.plot(clock, rewards, "o", markersize=3, alpha=0.6, label=REWARD_KEY)
     bottom.plot(clock, rolling, "-", linewidth=2, label=f"rolling mean ({window} steps)")
