@@ -119,8 +119,9 @@ def _rewards(ordered: Ordered) -> list[float]:
 
 
 def _memory(ordered: Ordered) -> dict[str, tuple[list[int], list[float]]]:
-    """Process -> (steps, MiB) of its readings in the records' ``rss_mib``, in step order; a missing or ``None``
-    reading is a gap, and processes come in the order they are first read."""
+    """Process -> (steps, MiB) of its readings in the records' ``rss_mib``, in step order; a reading step where a
+    process read ``None`` or is missing is a gap (NaN: its line breaks there; steps without readings are not), and
+    processes come in the order they are first read."""
     series: dict[str, tuple[list[int], list[float]]] = {}
     for step, where, record in ordered:
         readings = record.get(MEMORY_KEY)
@@ -133,9 +134,12 @@ def _memory(ordered: Ordered) -> dict[str, tuple[list[int], list[float]]]:
         for process in readings:
             mib = record_number(readings, process, f"{where}[{MEMORY_KEY!r}]")
             steps, values = series.setdefault(str(process), ([], []))
-            if math.isfinite(mib):
+            steps.append(step)
+            values.append(mib if math.isfinite(mib) else math.nan)
+        for process, (steps, values) in series.items():
+            if process not in readings:
                 steps.append(step)
-                values.append(mib)
+                values.append(math.nan)
     return series
 
 

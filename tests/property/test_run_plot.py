@@ -241,3 +241,25 @@ def test_plot_compare_rejects_empty_or_malformed_runs(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'window' must be >= 1 step: got 0"):
         plot_compare(_runs(), path, window=0)
     assert not path.exists()
+
+
+def test_memory_series_break_where_a_process_did_not_answer_and_bridge_steps_without_readings() -> None:
+    """A reading step where a process read None, or is missing, is NaN in its series (its line breaks); steps that
+    carry no readings at all are not in any series (readings every N steps join up)."""
+    from shell.run_plot import _memory, _ordered
+
+    records = [
+        {"step": 1, "reward_mean": 0.0},
+        {"step": 2, "reward_mean": 0.0, "rss_mib": {"driver": 300.0, "store index": 370.0}},
+        {"step": 3, "reward_mean": 0.0},
+        {"step": 4, "reward_mean": 0.0, "rss_mib": {"driver": 301.0, "store index": None}},
+        {"step": 6, "reward_mean": 0.0, "rss_mib": {"driver": 302.0}},
+        {"step": 8, "reward_mean": 0.0, "rss_mib": {"driver": 303.0, "store index": 371.0, "policy 0": 450.0}},
+    ]
+    series = _memory(_ordered(records, "records", ("reward_mean",)))
+    assert list(series) == ["driver", "store index", "policy 0"]
+    assert series["driver"] == ([2, 4, 6, 8], [300.0, 301.0, 302.0, 303.0])
+    steps, values = series["store index"]
+    assert steps == [2, 4, 6, 8] and values[0] == 370.0 and math.isnan(values[1]) and math.isnan(values[2])
+    assert values[3] == 371.0
+    assert series["policy 0"] == ([8], [450.0])
