@@ -24,6 +24,8 @@ def _status_mib(field: str, pid: int | str) -> float:
     for line in text.splitlines():
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
+        if line.startswith("State:") and line.split()[1:2] == ["Z"]:  # exited, not reaped yet: no memory lines
+            raise ProcessLookupError(f"process {pid} on this node has exited (a zombie, not reaped yet)")
     raise RuntimeError(f"{path} has no {field} line")
 
 

@@ -217,6 +217,12 @@ class RunSection:
         "every N steps, each process's resident memory in the step's record (rss_mib, MiB by process); 0: never",
         _at_least(0),
     )
+    memory_rise_limit: float = _number(
+        "warn when a process's resident memory grows faster than this many MiB per 100 steps over its last "
+        "run.memory_rise_window readings (rss_rising in the record; a leak's sign); 0: never",
+        _at_least(0),
+    )
+    memory_rise_window: int = _key("readings of rss_mib that run.memory_rise_limit judges a slope over", _at_least(2))
     overwrite: bool = _key("true: reuse a run.dir holding an earlier run, deleting its files (else use --resume)")
 
 

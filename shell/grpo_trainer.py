@@ -42,6 +42,7 @@ import ray
 import torch
 
 from core.entropy import mean_token_entropy
+from core.memory_trend import MemoryTrend, observe, rising
 from core.fields import ADVANTAGES, SAMPLE_MASK
 from core.model_config import TinyGPTConfig
 from core.rollout_carry import plan_advantages, zero_variance_group_fraction
@@ -61,6 +62,7 @@ from shell.policy import Policy, PolicyConfig
 from shell.rollout import RolloutConfig
 from shell.ray_cluster import connect as connect_ray
 from shell.run_config import RunConfig, StoreBackend, dump_run_config
+from shell.run_log import MEMORY_KEY, RISING_KEY
 from shell.step_source import NotEnoughGroups, StepInput, StepSource, build_source
 from shell.transport import DataPlaneTransport, LegacyTransport, Transport, TransportReport
 
@@ -268,6 +270,11 @@ class GRPOTrainer:
         self.key_prefix = self.run_id + "-"
         self._store_failed = False  # a step failed because a store part died (reported once, by that step)
         self.start_seconds: dict[str, float] = {}  # wall seconds of start's parts: ray, store (data plane), workers
+        run = config.run
+        # each process's last rss_mib readings; None when run.memory_rise_limit is 0 (never judged)
+        self.memory_trend: MemoryTrend | None = (
+            MemoryTrend(run.memory_rise_window, run.memory_rise_limit) if run.memory_rise_limit > 0 else None
+        )
 
     # ------------------------------------------------------------ life cycle
 
@@ -480,10 +487,13 @@ class GRPOTrainer:
 
     def resident_memory(self) -> dict[str, float | None]:
         """Each process's resident memory in MiB, read by the process itself on its own node: ``driver``, ``policy
-        <rank>`` per rank, the source's actors (``rollout`` or ``collector``) and ``store <role>`` per store part
-        (e.g. ``store TransferQueue controller``; None for a part that did not answer within the store's
-        ``deadlines.probe_timeout_s``). Every ``run.memory_every`` steps, :meth:`step` adds it to its record as
-        ``rss_mib``, after the step's time is taken."""
+        <rank>`` per rank, the source's actors (``rollout``; async: ``collector`` and ``replay_buffer``, None when
+        the buffer does not answer within 10 s) and ``store <role>`` per store part (e.g. ``store TransferQueue
+        controller``; None for a part that did not answer within the store's ``deadlines.probe_timeout_s``). A
+        policy rank or the engine that fails to answer fails the call as any call to it does. Every ``run.memory_every`` steps, :meth:`step` adds it to its record as
+        ``rss_mib``, after the step's time is taken, and adds ``rss_rising`` when a process's last
+        ``run.memory_rise_window`` readings grow faster than ``run.memory_rise_limit`` MiB per 100 steps
+        (:attr:`memory_trend`, :mod:`core.memory_trend`)."""
         from shell.worker import Worker
 
         out: dict[str, float | None] = {"driver": proc_memory.resident_mib()}
@@ -567,7 +577,12 @@ class GRPOTrainer:
             record = self._step(step)
             every = self.config.run.memory_every
             if every and step % every == 0:
-                record["rss_mib"] = self.resident_memory()
+                record[MEMORY_KEY] = self.resident_memory()
+                if self.memory_trend is not None:
+                    self.memory_trend = observe(self.memory_trend, step, record[MEMORY_KEY])
+                    growing = rising(self.memory_trend)
+                    if growing:
+                        record[RISING_KEY] = {process: round(slope, 3) for process, slope in growing.items()}
             return record
         except NotEnoughGroups as error:
             with contextlib.suppress(Exception):

@@ -29,7 +29,7 @@ import contextlib
 import json
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from shell.run_config import ConfigError, ProgressMode, describe_keys, load_run_config, save_run_config
-from shell.run_log import MetricsLog, read_metrics
+from shell.run_log import RISING_KEY, MetricsLog, read_metrics
 from shell.run_plot import plot_run
 from shell.run_progress import RunProgress
 from shell.run_stop import EXIT_INTERRUPTED, RunStopper
@@ -154,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with MetricsLog(run_dir / METRICS_FILE, drop_after=first - 1) as log, progress, open(
                     run_dir / SAMPLES_FILE, "a", encoding="utf-8"
                 ) as samples:
+                    warned: set[str] = set()  # processes whose rising memory was shown (once each)
                     for step in range(first, total + 1):
                         record = trainer.step(step)
                         for sample in record.pop("samples"):
@@ -162,6 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         written = log.write(record)
                         if mode != ProgressMode.off:
                             progress.advance(written)
+                        fresh = {p: v for p, v in (record.get(RISING_KEY) or {}).items() if p not in warned}
+                        if fresh:
+                            warned.update(fresh)
+                            message = _rising_warning(step, fresh, config.run.memory_rise_limit, config.run.memory_rise_window)
+                            console.print(message, highlight=False)  # above a live bar: rich redirects stderr
                         if every and step % every == 0 and step < total:
                             trainer.save_checkpoint(run_dir, step)
                 trainer.save_checkpoint(run_dir, total)
@@ -187,6 +193,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     status = status or EXIT_FAILED
                 _plot(run_dir, console)
     return EXIT_INTERRUPTED if stopper.interrupted else status
+
+
+def _rising_warning(step: int, rising: Mapping[str, float], limit: float, window: int) -> str:
+    """The console line for processes whose resident memory grows faster than ``run.memory_rise_limit``."""
+    from shell.run_dir import METRICS_FILE
+
+    each = ", ".join(f"{process} +{slope:.1f}" for process, slope in sorted(rising.items()))
+    return (
+        f"[yellow]warning:[/] resident memory rising at step {step}: {escape(each)} MiB per 100 steps over the "
+        f"last {window} readings (run.memory_rise_limit={limit:g}; a leak? rss_mib in {METRICS_FILE} has them)"
+    )
 
 
 def _ready(seconds: dict[str, float]) -> str:

@@ -40,6 +40,9 @@ STEP_TIME_KEY = "step_time_s"
 REWARD_KEY = "reward_mean"
 MEMORY_KEY = "rss_mib"
 """Every ``run.memory_every`` steps: each process's resident memory in MiB, by process (``GRPOTrainer.resident_memory``)."""
+RISING_KEY = "rss_rising"
+"""On a reading step: the processes whose memory grows faster than ``run.memory_rise_limit`` over their last
+``run.memory_rise_window`` readings, each with its growth in MiB per 100 steps (:func:`core.memory_trend.rising`)."""
 LOSS_KEY = "loss"
 
 Record = dict[str, Any]  # one step: str -> JSON value (None, bool, int, float, str, list, dict)

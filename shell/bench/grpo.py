@@ -29,6 +29,7 @@ from typing import Any
 
 import attrs
 
+from core.memory_trend import growth_per_100_steps
 from shell.bench.report import Report
 
 PARITY_KEYS = ("reward_mean", "loss", "kl", "grad_norm")
@@ -168,19 +169,6 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
         resident_rows(results, cfg.warmup),
     )
     report.finish()
-
-
-def growth_per_100_steps(steps: Sequence[int], mib: Sequence[float]) -> float:
-    """The least-squares slope of ``mib`` over ``steps``, per 100 steps (0.0 for fewer than two steps).
-
-    A slope over every step, rather than last minus first, reads a steady leak through the step-to-step noise of a
-    process's allocator.
-    """
-    if len(steps) != len(mib):
-        raise ValueError(f"'mib' must have one value per step ({len(steps)}): got {len(mib)}")
-    if len(steps) < 2:
-        return 0.0
-    return statistics.linear_regression(steps, mib).slope * 100
 
 
 def _readings(run: Sequence[dict[str, Any]], process: str) -> list[float]:

@@ -7,6 +7,8 @@ of starting its own, and leaves both running.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import re
@@ -40,6 +42,8 @@ SMALL = [
     "policy.train_global_batch_size=8",
     "run.progress=plain",
     "run.memory_every=2",
+    "run.memory_rise_limit=0.001",  # any growth between two readings is "rising": the warning's path runs
+    "run.memory_rise_window=2",
 ]
 REQUIRED_KEYS = (
     "step", "reward_mean", "entropy", "loss", "kl", "grad_norm", "step_time_s", "data_plane_ms", "data_plane_bytes",
@@ -63,8 +67,12 @@ def runs(tq_store_session: TransferQueueStore, tmp_path_factory: pytest.TempPath
     out: dict[str, Any] = {}
     for name, enabled in (("legacy", "false"), ("data_plane", "true")):
         run_dir = tmp_path_factory.mktemp(name)
-        status = _run([*SMALL, f"run.dir={run_dir}", f"data_plane.enabled={enabled}", f"data_plane.partition={partition}"])
-        out[name] = {"status": status, "dir": run_dir, "records": read_metrics(run_dir / "metrics.jsonl")}
+        console = io.StringIO()
+        with contextlib.redirect_stderr(console):  # the run's messages (its console writes to stderr)
+            status = _run([*SMALL, f"run.dir={run_dir}", f"data_plane.enabled={enabled}", f"data_plane.partition={partition}"])
+        out[name] = {
+            "status": status, "dir": run_dir, "records": read_metrics(run_dir / "metrics.jsonl"), "console": console.getvalue()
+        }
     return out
 
 
@@ -108,6 +116,24 @@ def test_run_records_each_process_resident_memory_every_memory_every_steps(runs:
             assert ("store TransferQueue controller" in store) == (name == "data_plane"), f"{name}: {rss}"
             assert len(rss) == 4 + len(store), f"{name}: {rss}"
             assert all(isinstance(mib, float) and 50 < mib < 8192 for mib in rss.values()), f"{name}: {rss}"
+
+
+def test_run_warns_once_for_each_process_whose_memory_rises_past_the_limit(runs: dict[str, Any]) -> None:
+    """``run.memory_rise_limit=0.001`` over ``run.memory_rise_window=2`` readings: step 4 carries ``rss_rising``
+    naming exactly the processes whose readings of steps 2 and 4 grow faster than 0.001 MiB per 100 steps, each with
+    that growth; no other step carries it (step 2 has one reading, too few); the console warns once, naming them."""
+    for name, run in runs.items():
+        records = {record["step"]: record for record in run["records"]}
+        assert all("rss_rising" not in record for step, record in records.items() if step != 4), name
+        before, after = records[2]["rss_mib"], records[4]["rss_mib"]
+        growth = {p: (after[p] - before[p]) / 2 * 100 for p in after if after[p] is not None and before.get(p) is not None}
+        expected = {p: g for p, g in growth.items() if g > 0.001}
+        rising = records[4].get("rss_rising", {})
+        assert set(rising) == set(expected), f"{name}: {rising} vs growth {growth}"
+        assert all(rising[p] == pytest.approx(expected[p], abs=1e-3) for p in expected), f"{name}: {rising}"
+        warnings = [line for line in run["console"].splitlines() if "resident memory rising" in line]
+        assert len(warnings) == (1 if expected else 0), f"{name}: {run['console']}"
+        assert all(f"{p} +" in warnings[0] for p in expected), f"{name}: {warnings}"
 
 
 def test_run_data_plane_leaves_no_keys(runs: dict[str, Any], partition: str) -> None:

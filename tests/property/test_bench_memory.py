@@ -6,13 +6,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from adapters.proc_memory import resident_mib
-from shell.bench.grpo import growth_per_100_steps, resident_rows
+from core.memory_trend import growth_per_100_steps
+from shell.bench.grpo import resident_rows
 
 
 @given(
@@ -88,3 +91,18 @@ def test_resident_mib_reads_this_node_and_names_a_gone_process() -> None:
         child.communicate("")
     with pytest.raises(ProcessLookupError, match=rf"no process {child.pid} on this node"):
         resident_mib(child.pid)
+
+
+def test_resident_mib_of_an_exited_unreaped_child_raises_process_lookup_error() -> None:
+    """A child that has exited but is not reaped yet (a zombie: its status has no memory lines) is gone too."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        status = Path(f"/proc/{child.pid}/status")
+        deadline = time.monotonic() + 30
+        while "State:\tZ" not in status.read_text():
+            assert time.monotonic() < deadline, "the child did not exit within 30 s"
+            time.sleep(0.05)
+        with pytest.raises(ProcessLookupError, match=rf"process {child.pid} on this node has exited"):
+            resident_mib(child.pid)
+    finally:
+        child.wait()
