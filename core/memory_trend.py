@@ -12,7 +12,9 @@ past it.
 Invariants:
   * a trend holds at most ``window`` readings per process, the latest ones,
     in increasing step order; a missing reading (``None``: the process did not
-    answer) is skipped, never read as 0;
+    answer) is skipped, never read as 0; a reading at a step not later than a
+    process's last one (the steps started over) starts that process's
+    readings over;
   * :func:`rising` names a process only when it holds a full window of
     readings and their slope is above the limit, and it gives that slope;
   * :func:`growth_per_100_steps` of a series that grows by ``r`` MiB a step
@@ -99,13 +101,13 @@ def observe(trend: MemoryTrend, step: int, rss_mib: Mapping[str, float | None]) 
 
     Args:
         trend: the readings so far.
-        step: the step the readings were taken after (later than every reading ``trend`` holds).
+        step: the step the readings were taken after; where it is not later than a process's last reading (the
+            steps started over, e.g. a trainer stepped from 1 again), that process's readings start over with it.
         rss_mib: process -> its resident MiB; ``None`` for a process that did not answer (skipped).
 
     Raises:
         TypeError: ``step`` is not an int, or ``rss_mib`` is not a mapping.
-        ValueError: ``step`` is negative or not later than a process's last reading, or a reading is not a
-            finite number >= 0 (the error names the process).
+        ValueError: ``step`` is negative, or a reading is not a finite number >= 0 (the error names the process).
     """
     step = check_int("step", step, minimum=0)
     if not isinstance(rss_mib, Mapping):
@@ -117,10 +119,8 @@ def observe(trend: MemoryTrend, step: int, rss_mib: Mapping[str, float | None]) 
         if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not (math.isfinite(mib) and mib >= 0):
             raise ValueError(f"'rss_mib[{process!r}]' must be a finite number of MiB >= 0: got {mib!r}")
         earlier = readings.get(process, ())
-        if earlier and earlier[-1][0] >= step:
-            raise ValueError(
-                f"'step' must be later than {process!r}'s last reading (step {earlier[-1][0]}): got {step}"
-            )
+        if earlier and earlier[-1][0] >= step:  # the steps started over: the earlier slope is not this one's
+            earlier = ()
         readings[process] = (*earlier, (step, float(mib)))[-trend.window :]
     return attrs.evolve(trend, readings=readings)
 

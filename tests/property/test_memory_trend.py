@@ -100,10 +100,21 @@ def test_a_trend_refuses_a_bad_window_or_limit(window: object, limit: object, er
         MemoryTrend(window, limit)  # type: ignore[arg-type]
 
 
-def test_observe_refuses_an_earlier_step_and_a_bad_reading_naming_the_process() -> None:
+def test_a_step_not_later_than_a_process_last_reading_starts_its_readings_over() -> None:
+    """Steps that start over (a trainer stepped from 1 again) start over the readings of each process they read;
+    a process not read at that step keeps its own."""
+    trend = MemoryTrend(3, 10.0)
+    for step in (10, 20, 30):
+        trend = observe(trend, step, {"driver": 300.0 + step, "policy 0": 400.0 + 10 * step})
+    assert set(rising(trend)) == {"driver", "policy 0"}
+    again = observe(trend, 10, {"driver": 500.0})
+    assert again.readings["driver"] == ((10, 500.0),) and again.readings["policy 0"] == trend.readings["policy 0"]
+    assert set(rising(again)) == {"policy 0"}, "one reading since the restart: not judged"
+    assert observe(trend, 30, {"driver": 1.0}).readings["driver"] == ((30, 1.0),)
+
+
+def test_observe_refuses_a_bad_reading_naming_the_process() -> None:
     trend = observe(MemoryTrend(3, 10.0), 20, {"driver": 300.0})
-    with pytest.raises(ValueError, match=r"'step' must be later than 'driver''s last reading \(step 20\): got 20"):
-        observe(trend, 20, {"driver": 301.0})
     for bad in (-1.0, math.nan, "300", True):
         with pytest.raises(ValueError, match=r"'rss_mib\['policy 0'\]' must be a finite number of MiB >= 0"):
             observe(trend, 30, {"policy 0": bad})  # type: ignore[dict-item]
