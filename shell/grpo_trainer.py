@@ -42,8 +42,8 @@ import ray
 import torch
 
 from core.entropy import mean_token_entropy
-from core.memory_trend import MemoryTrend, observe, rising
 from core.fields import ADVANTAGES, SAMPLE_MASK
+from core.memory_trend import MemoryTrend, observe, rising
 from core.model_config import TinyGPTConfig
 from core.rollout_carry import plan_advantages, zero_variance_group_fraction
 from core.sharding import PackingSpec
@@ -490,10 +490,11 @@ class GRPOTrainer:
         <rank>`` per rank, the source's actors (``rollout``; async: ``collector`` and ``replay_buffer``, None when
         the buffer does not answer within 10 s) and ``store <role>`` per store part (e.g. ``store TransferQueue
         controller``; None for a part that did not answer within the store's ``deadlines.probe_timeout_s``). A
-        policy rank or the engine that fails to answer fails the call as any call to it does. Every ``run.memory_every`` steps, :meth:`step` adds it to its record as
-        ``rss_mib``, after the step's time is taken, and adds ``rss_rising`` when a process's last
-        ``run.memory_rise_window`` readings grow faster than ``run.memory_rise_limit`` MiB per 100 steps
-        (:attr:`memory_trend`, :mod:`core.memory_trend`)."""
+        policy rank or the engine that fails to answer fails the call as any call to it does.
+
+        Every ``run.memory_every`` steps, :meth:`step` adds it to its record as ``rss_mib``, after the step's time
+        is taken, and adds ``rss_rising`` when a process's last ``run.memory_rise_window`` readings grow faster
+        than ``run.memory_rise_limit`` MiB per 100 steps (:attr:`memory_trend`, :mod:`core.memory_trend`)."""
         from shell.worker import Worker
 
         out: dict[str, float | None] = {"driver": proc_memory.resident_mib()}
