@@ -14,8 +14,8 @@ each row's location, ``(column id, row)``, per global index and field, and
 the key each global index was last put under, with the reserved tags
 (integrity digests) each put merged into its keys' tags. A get of fields whose wire
 names the adapter already knows, that asks for no tags but reserved ones, is one call to the
-index, by key (:meth:`RayObjectStorageManager.get_by_key`), and one
-``ray.get``: no controller lookup. Any other get is one controller lookup,
+index, by key (:meth:`RayObjectStorageManager.read_by_key`, in the caller's
+thread), and one ``ray.get``: no controller lookup. Any other get is one controller lookup,
 one call to the index for the rows' locations and their columns' object refs
 (sent beside the lookup, by key, when the adapter knows the wire names: see
 :meth:`RowIndex.locate_keys`), and one ``ray.get``. The ``ray.get`` is
@@ -99,6 +99,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import ray
 import torch
 from tensordict import TensorDict
@@ -210,6 +211,9 @@ def _typed(raw: torch.Tensor, frame: Frame) -> torch.Tensor:
 def gather_rows(values: torch.Tensor, offsets: torch.Tensor | None, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows ``rows`` (int64 positions) of a column, as a fresh ``(values, offsets)``; offsets None for dense.
 
+    A jagged column's rows are copied as one slice of bytes each (numpy, one concatenation): no per-value
+    index, which costs more than the copy itself.
+
     Example:
         >>> v, o = gather_rows(torch.arange(5), torch.tensor([0, 2, 2, 5]), torch.tensor([2, 0]))
         >>> v.tolist(), o.tolist()
@@ -217,50 +221,74 @@ def gather_rows(values: torch.Tensor, offsets: torch.Tensor | None, rows: torch.
     """
     if offsets is None:
         return values.index_select(0, rows), None
-    lengths = offsets.diff().index_select(0, rows)
-    out_offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=out_offsets[1:])
-    starts = offsets.index_select(0, rows)
-    total = int(out_offsets[-1])
-    shift = torch.repeat_interleave(out_offsets[:-1] - starts, lengths, output_size=total)
-    return values.index_select(0, torch.arange(total, dtype=torch.int64) - shift), out_offsets
+    bounds = offsets.numpy()
+    picked = rows.numpy()
+    starts, ends = bounds[picked], bounds[picked + 1]
+    out_offsets = np.zeros(len(picked) + 1, dtype=np.int64)
+    np.cumsum(ends - starts, out=out_offsets[1:])
+    inner, total = tuple(values.shape[1:]), int(out_offsets[-1])
+    if total == 0 or values.numel() == 0:
+        return values.new_empty((total, *inner)), torch.from_numpy(out_offsets)
+    flat = values.contiguous().reshape(-1)
+    if flat.stride(0) != 1:  # a one-element tensor may carry any stride, which a dtype view refuses
+        flat = flat.clone()
+    raw = flat.view(torch.uint8).numpy().reshape(values.shape[0], -1)  # rows of values, as bytes
+    gathered = np.concatenate([raw[a:b] for a, b in zip(starts.tolist(), ends.tolist())])
+    return torch.from_numpy(gathered).view(values.dtype).reshape(total, *inner), torch.from_numpy(out_offsets)
 
 
 def assemble_column(
-    field: str, locations: Sequence[Sequence[Any]], frames: Mapping[str, Frame]
+    field: str, runs: Sequence[Sequence[Any]], rows: Sequence[int], frames: Mapping[str, Frame]
 ) -> torch.Tensor:
-    """The column of rows at ``locations`` (``(column id, row)`` each, in output order) from ``frames`` by column id.
+    """The column of rows ``rows`` (each a row of its column, in output order) of the columns ``runs`` names
+    (``[column id, count]`` each: the next ``count`` rows are that column's), from ``frames`` by column id.
 
     Dense columns come back as ``(n, ...)`` tensors, jagged ones as nested tensors (jagged layout).
 
     Raises:
-        ValueError: the rows come from columns of different kinds, dtypes or row shapes.
+        ValueError: the rows come from columns of different kinds, dtypes or row shapes, or ``runs`` does not
+            cover ``rows``.
+
+    Example:
+        >>> frames = {"c": frame_column("x", torch.tensor([[1, 2], [3, 4], [5, 6]]), 3)}
+        >>> assemble_column("x", [["c", 2]], [2, 0], frames).tolist()
+        [[5, 6], [1, 2]]
     """
+    if sum(count for _column, count in runs) != len(rows):
+        raise ValueError(f"field {field!r}: the runs of columns cover {sum(c for _, c in runs)} rows: expected {len(rows)}")
+    if len({column for column, _count in runs}) == 1:  # every row from one column (one put's), in any order
+        column = runs[0][0]
+        values, offsets = _row_bytes(frames[column])
+        stored = len(offsets) - 1 if offsets is not None else values.shape[0]
+        if len(rows) == stored and rows == list(range(stored)):  # the whole column in its order: one copy
+            values, offsets = values.clone(), None if offsets is None else offsets.clone()
+        else:
+            values, offsets = gather_rows(values, offsets, torch.tensor(rows, dtype=torch.int64))
+        return _column_tensor(values, offsets, frames[column])
     columns: dict[str, list[int]] = {}
-    for position, (column, _row) in enumerate(locations):
-        columns.setdefault(column, []).append(position)
+    start = 0
+    for column, count in runs:
+        columns.setdefault(column, []).extend(range(start, start + count))
+        start += count
+    kinds = {(frames[c]["offsets"] is None, frames[c]["dtype"], tuple(frames[c]["shape"][1:])) for c in columns}
+    if len(kinds) > 1:
+        raise ValueError(f"field {field!r}: its rows were put with different kinds, dtypes or shapes: {sorted(map(str, kinds))}")
     parts = []
     order: list[int] = []
     for column, positions in columns.items():
         values, offsets = _row_bytes(frames[column])
-        picked = [locations[p][1] for p in positions]
-        stored = len(offsets) - 1 if offsets is not None else values.shape[0]
-        if picked == list(range(stored)):  # the whole column in its order (a get of what one put wrote): one copy
-            parts.append((values.clone(), None if offsets is None else offsets.clone()))
-        else:
-            parts.append(gather_rows(values, offsets, torch.tensor(picked, dtype=torch.int64)))
+        parts.append(gather_rows(values, offsets, torch.tensor([rows[p] for p in positions], dtype=torch.int64)))
         order.extend(positions)
-    kinds = {(frames[c]["offsets"] is None, frames[c]["dtype"], tuple(frames[c]["shape"][1:])) for c in columns}
-    if len(kinds) > 1:
-        raise ValueError(f"field {field!r}: its rows were put with different kinds, dtypes or shapes: {sorted(map(str, kinds))}")
-    if len(parts) == 1:
-        values, offsets = parts[0]
-    else:
-        values, offsets = _concat(parts)
-        inverse = torch.empty(len(order), dtype=torch.int64)
-        inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order), dtype=torch.int64)
-        values, offsets = gather_rows(values, offsets, inverse)
-    values = _typed(values, frames[next(iter(columns))])
+    values, offsets = _concat(parts)
+    inverse = torch.empty(len(order), dtype=torch.int64)
+    inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order), dtype=torch.int64)
+    values, offsets = gather_rows(values, offsets, inverse)
+    return _column_tensor(values, offsets, frames[next(iter(columns))])
+
+
+def _column_tensor(raw: torch.Tensor, offsets: torch.Tensor | None, frame: Frame) -> torch.Tensor:
+    """Gathered bytes ``[rows of values, bytes per row]`` (and a jagged column's offsets) as the frame's column."""
+    values = _typed(raw, frame)
     if offsets is None:
         return values
     return torch.nested.nested_tensor_from_jagged(values, offsets)
@@ -414,32 +442,38 @@ class RowIndex:
         return found
 
     def locate(self, indexes: Sequence[int], fields: Sequence[str], owners: Owners | None = None) -> dict[str, Any]:
-        """Where the rows of ``fields`` at ``indexes`` are: ``{"locations": {field: [[column id of each index],
-        [row in that column of each index]]}, "columns": {column id: [stored, writer]}}``; or ``{"missing":
-        [field, global index]}`` for the first row it does not hold; or, when ``owners`` (the partition and the
-        key of each index, as the caller's lookup found them) is given, ``{"reused": [field, global index,
-        [partition, key] stored there]}`` for the first row that a put registered under another partition or key.
+        """Where the rows of ``fields`` at ``indexes`` are: ``{"locations": {field: [runs, [row in its column of
+        each index]]}, "columns": {column id: [stored, writer]}}``, where ``runs`` (``[[column id, count], ...]``)
+        says which column holds each index's row: the first ``count`` indexes' rows are in the first column, and
+        so on (one run when one put wrote them all); or ``{"missing": [field, global index]}`` for the first row
+        it does not hold; or, when ``owners`` (the partition and the key of each index, as the caller's lookup
+        found them) is given, ``{"reused": [field, global index, [partition, key] stored there]}`` for the first
+        row that a put registered under another partition or key.
 
         The reply is lists of strings and ints, which Ray's reply encoding carries natively (a tuple per row
-        would be pickled one by one).
+        would be pickled one by one), with each column id once per run rather than once per row.
         """
         locations: dict[str, list[list[Any]]] = {}
         wanted: dict[str, None] = {}
         for field in fields:
-            columns: list[str] = []
+            runs: list[list[Any]] = []
             rows: list[int] = []
             for i, index in enumerate(indexes):
                 where = self._rows.get(index, {}).get(field)
                 if where is None:
                     return {"missing": [field, index]}
+                column, row = where
                 if owners is not None:
-                    stored = self._columns[where[0]][3]
-                    if stored is not None and (stored[0] != owners[0] or stored[1][where[1]] != owners[1][i]):
-                        return {"reused": [field, index, [stored[0], stored[1][where[1]]]]}
-                columns.append(where[0])
-                rows.append(where[1])
-            wanted.update(dict.fromkeys(columns))
-            locations[field] = [columns, rows]
+                    stored = self._columns[column][3]
+                    if stored is not None and (stored[0] != owners[0] or stored[1][row] != owners[1][i]):
+                        return {"reused": [field, index, [stored[0], stored[1][row]]]}
+                if runs and runs[-1][0] == column:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([column, 1])
+                    wanted[column] = None
+                rows.append(row)
+            locations[field] = [runs, rows]
         return {"locations": locations, "columns": {c: [self._columns[c][0], self._columns[c][2]] for c in wanted}}
 
     def clear(self, indexes: Sequence[int]) -> None:
@@ -664,11 +698,27 @@ class RayObjectStorageManager(StorageManager):
     async def get_by_key(
         self, partition_id: str, keys: Sequence[str], fields: Sequence[str], tag_names: Sequence[str] = ()
     ) -> tuple[TensorDict, tuple[dict[str, Any], ...]] | None:
+        """:meth:`read_by_key` as TQ's client loop runs a storage call (its waits block the loop)."""
+        return self.read_by_key(partition_id, keys, fields, tag_names)
+
+    def read_by_key(
+        self,
+        partition_id: str,
+        keys: Sequence[str],
+        fields: Sequence[str],
+        tag_names: Sequence[str] = (),
+        *,
+        wait: Callable[[Any], Any] = ray.get,
+    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]] | None:
         """The rows of wire ``fields`` that ``keys`` of ``partition_id`` were last put at, and per key the reserved
         tags of ``tag_names`` it holds, found by the index alone (one call, no controller lookup:
         :meth:`RowIndex.locate_keys` with ``sole``); None when the index cannot answer for every key, field and
         tag (a key it does not know, a missing field, a rewrite in another wire field, tags a put it did not see
         may have changed), for the caller to read through TQ's lookup instead, which raises what is wrong.
+
+        It runs in the calling thread: it touches Ray only (the index actor and the columns' objects), not TQ's
+        controller, so it needs no hop to TQ's client loop. ``wait`` waits for an object ref, or a list of them,
+        and returns what ``ray.get`` returns (the adapter's waits within the call's deadline, probing the store).
 
         ``tag_names`` must be reserved tag names (:data:`adapters.store_port.RESERVED_TAG_PREFIX`): the index keeps
         no other tags."""
@@ -679,12 +729,10 @@ class RayObjectStorageManager(StorageManager):
                 f"index keeps: got {unkept}"
             )
         asked = list(tag_names) if tag_names else None
-        found = await _wait(
-            self._index.locate_keys.remote(partition_id, list(keys), list(fields), sole=True, tags=asked)
-        )
+        found = wait(self._index.locate_keys.remote(partition_id, list(keys), list(fields), sole=True, tags=asked))
         if "locations" not in found:
             return None
-        data = self._read(found, found["indexes"], list(fields), (partition_id, list(keys)))
+        data = self._read(found, found["indexes"], list(fields), (partition_id, list(keys)), wait)
         return data, tuple(found["tags"]) if asked else tuple({} for _ in keys)
 
     async def get_located(self, metadata: Any, located: Any) -> TensorDict:
@@ -700,8 +748,16 @@ class RayObjectStorageManager(StorageManager):
             found = await _wait(self._index.locate.remote(indexes, fields, owners))
         return self._read(found, indexes, fields, owners)
 
-    def _read(self, found: dict[str, Any], indexes: list[int], fields: list[str], owners: Owners | None) -> TensorDict:
-        """The rows ``found`` (an index's locate reply for ``indexes`` and ``fields``) locates, read and assembled."""
+    def _read(
+        self,
+        found: dict[str, Any],
+        indexes: list[int],
+        fields: list[str],
+        owners: Owners | None,
+        wait: Callable[[Any], Any] = ray.get,
+    ) -> TensorDict:
+        """The rows ``found`` (an index's locate reply for ``indexes`` and ``fields``) locates, read (``wait`` on
+        their objects' refs) and assembled."""
         if "missing" in found:
             field, index = found["missing"]
             raise RuntimeError(
@@ -717,7 +773,6 @@ class RayObjectStorageManager(StorageManager):
                 f"{partition!r}, not key {wanted!r} of partition {owners[0]!r}: {wanted!r} was cleared and its index "
                 "reused by another put while this get ran"
             )
-        locations = {field: list(zip(*where)) for field, where in found["locations"].items()}
         columns = found["columns"]
         frames: dict[str, Frame] = {}
         shared: dict[Any, list[tuple[str, str]]] = {}  # object ref -> [(column id, field in the object)]
@@ -727,7 +782,7 @@ class RayObjectStorageManager(StorageManager):
             else:
                 shared.setdefault(stored, []).append((column, member))
         try:
-            for members, objects in zip(shared.values(), ray.get(list(shared)) if shared else []):
+            for members, objects in zip(shared.values(), wait(list(shared)) if shared else []):
                 frames.update((column, objects[member]) for column, member in members)
         except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as error:
             writers = sorted({entry[1] for entry in columns.values()})
@@ -735,7 +790,9 @@ class RayObjectStorageManager(StorageManager):
                 f"{BACKEND}: rows of fields {fields} are lost: the process that wrote them died "
                 f"(writers of these rows: {', '.join(writers)})"
             ) from error
-        assembled = {field: assemble_column(field, column, frames) for field, column in locations.items()}
+        assembled = {
+            field: assemble_column(field, runs, rows, frames) for field, (runs, rows) in found["locations"].items()
+        }
         return TensorDict(assembled, batch_size=[len(indexes)])
 
     async def clear_data(self, metadata: Any) -> None:

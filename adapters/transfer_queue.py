@@ -57,6 +57,7 @@ import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
+import ray
 import transfer_queue as tq
 from tensordict import TensorDict
 
@@ -318,6 +319,20 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             cancel=future.cancel,
         )
 
+    def _ray_waiter(self, op: str) -> Callable[[Any], Any]:
+        """A ``ray.get`` of object refs in the calling thread, within the deadline, the parts probed while it waits."""
+
+        def wait(refs: Any) -> Any:
+            def poll(timeout: float) -> tuple[bool, Any]:
+                try:
+                    return True, ray.get(refs, timeout=timeout)
+                except ray.exceptions.GetTimeoutError:
+                    return False, None
+
+            return wait_for(poll, op=op, store=tq_system.STORE_NAME, deadlines=self._deadlines, check=self.check_health)
+
+        return wait
+
     @property
     def storage_backend(self) -> str:
         """TransferQueue's storage backend: ``SimpleStorage``, ``RayObjectStore`` (:mod:`adapters.tq_object_store`),
@@ -408,14 +423,16 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
 
         A get that asks for no tags but reserved ones (the integrity digests, which the index keeps by key), of
         names whose wire fields a get before it learnt, skips the lookup: the index alone finds the rows and the
-        tags by key (:meth:`adapters.tq_object_store.RayObjectStorageManager.get_by_key`), one call in all; when
+        tags by key (:meth:`adapters.tq_object_store.RayObjectStorageManager.read_by_key`, in this thread: it calls
+        Ray alone, not TQ's controller), one call in all; when
         it cannot answer for every key, field and tag, the get goes through the lookup as above.
         """
         client = tq_system.client()
         memo = (partition_id, names)
         guess = self._wires.get(memo) if self._by_key else None
         if guess is not None and all(name.startswith(RESERVED_TAG_PREFIX) for name in tag_names):
-            found = self._call("get", client.storage_manager.get_by_key, partition_id, keys, guess, tag_names)
+            self._parts.raise_if_failed()
+            found = client.storage_manager.read_by_key(partition_id, keys, guess, tag_names, wait=self._ray_waiter("get"))
             if found is not None:
                 data, tags = found
                 specs = {name: parse_wire_name(wire)[1] for name, wire in zip(names, guess)}

@@ -8,7 +8,8 @@
   naming the field and the global index, instead of coming back empty; a row whose index a put gave to another
   key after the lookup raises, naming both keys, instead of coming back as the other key's row; both whether the
   get located its rows by key (beside the lookup) or by index (after it).
-* A get locates its rows by key beside the controller's lookup once it knows the fields' wire names.
+* A get locates its rows by key beside the controller's lookup once it knows the fields' wire names; a get by key
+  alone runs in the caller's thread and keeps the call's deadline: a stopped index fails it, naming the index.
 * A verified get (integrity on) reads the rows and their digests by key too, and still catches a changed row.
 * A put whose columns fail to reach Ray's object store while its keys' lookup is in flight leaves the store as
   it was: the keys it registered are dropped.
@@ -21,6 +22,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +33,7 @@ import torch
 from tensordict import TensorDict
 
 from adapters import tq_object_store, tq_system
+from adapters.store_health import Deadlines, StoreFailure
 from adapters.transfer_queue import TransferQueueStore
 from shell.metering import IntegrityError, MeteredClient
 from tests.e2e.conftest import ROOT, TQ_BACKEND
@@ -171,7 +174,7 @@ def test_a_get_finds_its_rows_by_key_once_it_knows_their_wire_fields(
     store = TransferQueueStore.attach()
     manager = tq_system.client().storage_manager
     calls: list[str] = []
-    for name in ("get_data", "get_located", "get_by_key"):
+    for name in ("get_data", "get_located"):
         original = getattr(manager, name)
 
         async def spy(*args, _name=name, _original=original, **kwargs):  # type: ignore[no-untyped-def]
@@ -180,6 +183,14 @@ def test_a_get_finds_its_rows_by_key_once_it_knows_their_wire_fields(
             return out
 
         monkeypatch.setattr(manager, name, spy)
+    by_key = manager.read_by_key
+
+    def spy_by_key(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = by_key(*args, **kwargs)  # in the caller's thread: no hop to TQ's loop
+        calls.append("read_by_key" if out is not None else "read_by_key: no answer")
+        return out
+
+    monkeypatch.setattr(manager, "read_by_key", spy_by_key)
     lookups = _count_lookups(monkeypatch)
     store.put(["a", "b"], partition, TensorDict({"x": _jagged([[1, 2], [3]])}, batch_size=[2]), tags=[{"t": 1}, {"t": 2}])
     first = store.get(["b", "a"], partition, ["x"])
@@ -191,11 +202,35 @@ def test_a_get_finds_its_rows_by_key_once_it_knows_their_wire_fields(
     assert tags == ({"t": 2}, {"t": 1})
     store.put(["a", "b"], partition, TensorDict({"x": torch.ones(2, 3, dtype=torch.float16)}, batch_size=[2]))
     assert store.get(["a", "b"], partition, ["x"])["x"].dtype == torch.float16
-    assert calls == ["get_data", "get_by_key", "get_located", "get_by_key: no answer", "get_data"]
+    assert calls == ["get_data", "read_by_key", "get_located", "read_by_key: no answer", "get_data"]
     store.clear(["a", "b"], partition)
     with pytest.raises(KeyError, match="not stored"):  # cleared: the index does not know them, the lookup says so
         store.get(["a", "b"], partition, ["x"])
     store.close()
+
+
+@on_object_store
+def test_a_get_by_key_of_a_stopped_index_fails_within_its_deadline_naming_the_index(
+    tq_store_session: TransferQueueStore, partition: str
+) -> None:
+    """A get by key alone waits on the index in the caller's thread, probing the store's parts: with the index's
+    process stopped (SIGSTOP), the get fails within about the probe timeout, naming the index and its pid."""
+    deadlines = Deadlines(call_s=5.0, probe_every_s=0.05, probe_timeout_s=0.5)
+    store = TransferQueueStore(parts=tq_system.parts(deadlines.probe_timeout_s), deadlines=deadlines)
+    store.put(["a"], partition, TensorDict({"x": _jagged([[1, 2]])}, batch_size=[1]))
+    assert store.get(["a"], partition, ["x"])["x"].values().tolist() == [1, 2]  # learns the wire fields
+    (index,) = [part for part in store.parts() if part.role == "TransferQueue object-store index"]
+    assert index.pid is not None
+    os.kill(index.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreFailure, match=rf"object-store index \(pid {index.pid}\) does not answer"):
+            store.get(["a"], partition, ["x"])
+        assert time.monotonic() - started < 3.0
+    finally:
+        os.kill(index.pid, signal.SIGCONT)
+    store.close()
+    TransferQueueStore.attach().clear(["a"], partition)
 
 
 @on_object_store

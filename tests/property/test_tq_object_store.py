@@ -98,6 +98,22 @@ def test_gather_rows_equals_picking_rows_one_by_one(lengths: list[int], data: st
     assert none is None and torch.equal(_bits(picked), _bits(dense[rows]))
 
 
+def _runs(columns: list[str]) -> list[list]:
+    """``[[column id, count], ...]``: the runs of equal neighbours in ``columns`` (how the index's reply names them)."""
+    runs: list[list] = []
+    for column in columns:
+        if runs and runs[-1][0] == column:
+            runs[-1][1] += 1
+        else:
+            runs.append([column, 1])
+    return runs
+
+
+def _assemble(field: str, where: list[tuple[str, int]], frames: dict) -> torch.Tensor:
+    """``assemble_column`` of the rows ``where`` names (``(column id, row)`` each), as the index's reply gives them."""
+    return assemble_column(field, _runs([column for column, _row in where]), [row for _column, row in where], frames)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     lengths=st.lists(st.integers(0, 5), min_size=1, max_size=14),
@@ -118,7 +134,7 @@ def test_assembly_from_any_split_equals_the_selected_rows(lengths: list[int], ja
         frames[f"c{i}"] = frame_column("x", part, len(rows))
         where.update({r: (f"c{i}", position) for position, r in enumerate(rows)})
     asked = data.draw(st.lists(st.sampled_from(range(n)), min_size=1, max_size=n, unique=True))
-    got = assemble_column("x", [where[r] for r in asked], frames)
+    got = _assemble("x", [where[r] for r in asked], frames)
     if jagged:
         assert got.offsets().diff().tolist() == [lengths[r] for r in asked]
         assert torch.equal(_bits(got.values()), _bits(torch.cat([rows_of(r) for r in asked])))
@@ -129,7 +145,13 @@ def test_assembly_from_any_split_equals_the_selected_rows(lengths: list[int], ja
 def test_assembly_refuses_rows_of_different_dtypes() -> None:
     frames = {"a": frame_column("x", torch.zeros(2, dtype=torch.int8), 2), "b": frame_column("x", torch.zeros(2), 2)}
     with pytest.raises(ValueError, match=r"field 'x': its rows were put with different"):
-        assemble_column("x", [("a", 0), ("b", 1)], frames)
+        _assemble("x", [("a", 0), ("b", 1)], frames)
+
+
+def test_assembly_refuses_runs_that_do_not_cover_the_rows() -> None:
+    frames = {"a": frame_column("x", torch.zeros(3), 3)}
+    with pytest.raises(ValueError, match=r"field 'x': the runs of columns cover 2 rows: expected 3"):
+        assemble_column("x", [["a", 2]], [0, 1, 2], frames)
 
 
 def test_field_schema_keeps_no_per_row_state() -> None:
@@ -159,7 +181,7 @@ def test_assembly_moves_dtypes_torch_cannot_index(dtype: torch.dtype) -> None:
     second = _random((1, 3), dtype, 6)
     second = torch.nested.nested_tensor_from_jagged(second.reshape(-1), torch.tensor([0, 3]))
     frames = {"a": frame_column("x", first, 2), "b": frame_column("x", second, 1)}
-    got = assemble_column("x", [("b", 0), ("a", 1), ("a", 0)], frames)
+    got = _assemble("x", [("b", 0), ("a", 1), ("a", 0)], frames)
     assert got.dtype == dtype and got.offsets().tolist() == [0, 3, 4, 6]
     expected = torch.cat([_bits(second.values()), _bits(first.values()[2:3]), _bits(first.values()[0:2])])
     assert torch.equal(_bits(got.values()), expected)
@@ -168,7 +190,7 @@ def test_assembly_moves_dtypes_torch_cannot_index(dtype: torch.dtype) -> None:
 def test_assembly_of_a_column_with_no_values_and_one_with_some() -> None:
     empty = frame_column("x", _jagged([0], torch.float32, 0, inner=(2,)), 1)
     full = frame_column("x", _jagged([3], torch.float32, 1, inner=(2,)), 1)
-    got = assemble_column("x", [("e", 0), ("f", 0)], {"e": empty, "f": full})
+    got = _assemble("x", [("e", 0), ("f", 0)], {"e": empty, "f": full})
     assert got.offsets().tolist() == [0, 0, 3] and got.values().shape == (3, 2)
 
 
@@ -211,7 +233,7 @@ def _expected(model: dict, query: tuple) -> dict:
             column, row, owner = where
             if named and owner is not None and owner != (partition, keys[i]):
                 return {"reused": [field, index, list(owner)]}
-    return {"locations": {f: [[model[x, f][0] for x in indexes], [model[x, f][1] for x in indexes]] for f in fields}}
+    return {"locations": {f: [_runs([model[x, f][0] for x in indexes]), [model[x, f][1] for x in indexes]] for f in fields}}
 
 
 def _apply(index: RowIndex, n: int, op: tuple) -> None:
@@ -255,7 +277,7 @@ def test_the_index_answers_the_latest_put_never_another_keys_row_and_counts_live
         want = _expected(model, (indexes, fields, partition, keys[: len(indexes)], named))
         if "locations" in want:
             assert found["locations"] == want["locations"]
-            assert set(found["columns"]) == {c for f in fields for c in want["locations"][f][0]}
+            assert set(found["columns"]) == {c for f in fields for c, _count in want["locations"][f][0]}
         else:
             assert found == want
     assert index.stats()["columns"] == len({column for column, _, _ in model.values()})
