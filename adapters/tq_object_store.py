@@ -93,7 +93,6 @@ import math
 import os
 import socket
 import uuid
-import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -181,38 +180,51 @@ def _jagged_parts(field: str, value: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def unframe(frame: Frame) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(values, offsets)`` of a frame as tensors that view its (read-only) buffer: gather before writing."""
-    raw, offsets = _row_bytes(frame)
-    return _typed(raw, frame), offsets
+    """``(values, offsets)`` of a frame as fresh tensors (copies: the object store's buffers are read-only)."""
+    raw, offsets = _frame_bytes(frame)
+    return _column_values(raw.copy(), frame), None if offsets is None else torch.from_numpy(offsets.copy())
 
 
-def _row_bytes(frame: Frame) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The frame's values as ``uint8 [rows of values, bytes per row]``, and its offsets: gathered as bytes, every
-    dtype moves the same way (torch has no index kernels for some, e.g. ``uint16`` and the float8 types)."""
-    with warnings.catch_warnings():  # the object store's buffers are read-only; gathers copy
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.from_numpy(frame["bytes"])
-        offsets = None if frame["offsets"] is None else torch.from_numpy(frame["offsets"])
+def _frame_bytes(frame: Frame) -> tuple[np.ndarray, np.ndarray | None]:
+    """The frame's values as ``uint8 [rows of values, bytes per row]``, a numpy view of its buffer, and its offsets:
+    gathered as bytes, every dtype moves the same way (torch has no index kernels for some, e.g. ``uint16`` and the
+    float8 types). Numpy, not torch: a torch view of a read-only buffer warns, and silencing that is not
+    thread-safe, while a get may run in any thread."""
     rows, inner = frame["shape"][0], frame["shape"][1:]
     width = torch.empty((), dtype=getattr(torch, frame["dtype"])).element_size() * math.prod(inner)
-    if raw.numel() == 0:  # numpy's empty buffer has stride 0, which a view refuses
-        raw = torch.empty(0, dtype=torch.uint8)
-    return raw.reshape(rows, width), offsets
+    return frame["bytes"].reshape(rows, width), frame["offsets"]
 
 
-def _typed(raw: torch.Tensor, frame: Frame) -> torch.Tensor:
-    """Bytes ``[rows, bytes per row]`` read as the frame's dtype and row shape."""
+def _column_values(raw: np.ndarray, frame: Frame) -> torch.Tensor:
+    """Fresh bytes ``[rows, bytes per row]`` (C-contiguous, writable) read as the frame's dtype and row shape."""
     dtype, inner = getattr(torch, frame["dtype"]), tuple(frame["shape"][1:])
-    if raw.numel() == 0:
+    if raw.size == 0:
         return torch.empty((raw.shape[0], *inner), dtype=dtype)
-    return raw.contiguous().view(dtype).reshape(raw.shape[0], *inner)
+    return torch.from_numpy(raw).view(dtype).reshape(raw.shape[0], *inner)
+
+
+def _gather_bytes(
+    raw: np.ndarray, offsets: np.ndarray | None, rows: Sequence[int] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Rows ``rows`` of a column's bytes ``[rows of values, bytes per row]`` (``offsets`` None: dense), as fresh
+    arrays: a jagged row as one slice of bytes (one concatenation), with no per-value index, which costs more than
+    the copy itself."""
+    picked = np.asarray(rows, dtype=np.int64)
+    if offsets is None:
+        return raw[picked], None
+    starts, ends = offsets[picked], offsets[picked + 1]
+    out_offsets = np.zeros(len(picked) + 1, dtype=np.int64)
+    np.cumsum(ends - starts, out=out_offsets[1:])
+    total = int(out_offsets[-1])
+    if total == 0 or raw.shape[1] == 0:
+        return np.zeros((total, raw.shape[1]), dtype=np.uint8), out_offsets
+    return np.concatenate([raw[a:b] for a, b in zip(starts.tolist(), ends.tolist())]), out_offsets
 
 
 def gather_rows(values: torch.Tensor, offsets: torch.Tensor | None, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows ``rows`` (int64 positions) of a column, as a fresh ``(values, offsets)``; offsets None for dense.
 
-    A jagged column's rows are copied as one slice of bytes each (numpy, one concatenation): no per-value
-    index, which costs more than the copy itself.
+    A jagged column's rows are copied as one slice of bytes each (see :func:`_gather_bytes`).
 
     Example:
         >>> v, o = gather_rows(torch.arange(5), torch.tensor([0, 2, 2, 5]), torch.tensor([2, 0]))
@@ -221,20 +233,22 @@ def gather_rows(values: torch.Tensor, offsets: torch.Tensor | None, rows: torch.
     """
     if offsets is None:
         return values.index_select(0, rows), None
-    bounds = offsets.numpy()
-    picked = rows.numpy()
-    starts, ends = bounds[picked], bounds[picked + 1]
-    out_offsets = np.zeros(len(picked) + 1, dtype=np.int64)
-    np.cumsum(ends - starts, out=out_offsets[1:])
-    inner, total = tuple(values.shape[1:]), int(out_offsets[-1])
-    if total == 0 or values.numel() == 0:
-        return values.new_empty((total, *inner)), torch.from_numpy(out_offsets)
-    flat = values.contiguous().reshape(-1)
-    if flat.stride(0) != 1:  # a one-element tensor may carry any stride, which a dtype view refuses
-        flat = flat.clone()
-    raw = flat.view(torch.uint8).numpy().reshape(values.shape[0], -1)  # rows of values, as bytes
-    gathered = np.concatenate([raw[a:b] for a, b in zip(starts.tolist(), ends.tolist())])
-    return torch.from_numpy(gathered).view(values.dtype).reshape(total, *inner), torch.from_numpy(out_offsets)
+    inner = tuple(values.shape[1:])
+    width = values.element_size() * math.prod(inner)
+    if values.numel() == 0:
+        raw = np.zeros((values.shape[0], width), dtype=np.uint8)
+    else:
+        flat = values.contiguous().reshape(-1)
+        if flat.stride(0) != 1:  # a one-element tensor may carry any stride, which a dtype view refuses
+            flat = flat.clone()
+        raw = flat.view(torch.uint8).numpy().reshape(values.shape[0], width)
+    gathered, out_offsets = _gather_bytes(raw, offsets.numpy(), rows.numpy())
+    total = gathered.shape[0]
+    if gathered.size == 0:
+        out = values.new_empty((total, *inner))
+    else:
+        out = torch.from_numpy(gathered).view(values.dtype).reshape(total, *inner)
+    return out, torch.from_numpy(out_offsets)
 
 
 def assemble_column(
@@ -243,7 +257,8 @@ def assemble_column(
     """The column of rows ``rows`` (each a row of its column, in output order) of the columns ``runs`` names
     (``[column id, count]`` each: the next ``count`` rows are that column's), from ``frames`` by column id.
 
-    Dense columns come back as ``(n, ...)`` tensors, jagged ones as nested tensors (jagged layout).
+    Dense columns come back as ``(n, ...)`` tensors, jagged ones as nested tensors (jagged layout), both fresh
+    (never a view of a frame's read-only buffer).
 
     Raises:
         ValueError: the rows come from columns of different kinds, dtypes or row shapes, or ``runs`` does not
@@ -254,17 +269,18 @@ def assemble_column(
         >>> assemble_column("x", [["c", 2]], [2, 0], frames).tolist()
         [[5, 6], [1, 2]]
     """
-    if sum(count for _column, count in runs) != len(rows):
-        raise ValueError(f"field {field!r}: the runs of columns cover {sum(c for _, c in runs)} rows: expected {len(rows)}")
+    covered = sum(count for _column, count in runs)
+    if covered != len(rows):
+        raise ValueError(f"field {field!r}: the runs of columns cover {covered} rows: expected {len(rows)}")
     if len({column for column, _count in runs}) == 1:  # every row from one column (one put's), in any order
-        column = runs[0][0]
-        values, offsets = _row_bytes(frames[column])
-        stored = len(offsets) - 1 if offsets is not None else values.shape[0]
+        frame = frames[runs[0][0]]
+        raw, offsets = _frame_bytes(frame)
+        stored = raw.shape[0] if offsets is None else len(offsets) - 1
         if len(rows) == stored and rows == list(range(stored)):  # the whole column in its order: one copy
-            values, offsets = values.clone(), None if offsets is None else offsets.clone()
+            raw, offsets = raw.copy(), None if offsets is None else offsets.copy()
         else:
-            values, offsets = gather_rows(values, offsets, torch.tensor(rows, dtype=torch.int64))
-        return _column_tensor(values, offsets, frames[column])
+            raw, offsets = _gather_bytes(raw, offsets, rows)
+        return _column_tensor(raw, offsets, frame)
     columns: dict[str, list[int]] = {}
     start = 0
     for column, count in runs:
@@ -276,34 +292,35 @@ def assemble_column(
     parts = []
     order: list[int] = []
     for column, positions in columns.items():
-        values, offsets = _row_bytes(frames[column])
-        parts.append(gather_rows(values, offsets, torch.tensor([rows[p] for p in positions], dtype=torch.int64)))
+        raw, offsets = _frame_bytes(frames[column])
+        parts.append(_gather_bytes(raw, offsets, [rows[p] for p in positions]))
         order.extend(positions)
-    values, offsets = _concat(parts)
-    inverse = torch.empty(len(order), dtype=torch.int64)
-    inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order), dtype=torch.int64)
-    values, offsets = gather_rows(values, offsets, inverse)
-    return _column_tensor(values, offsets, frames[next(iter(columns))])
+    raw, offsets = _concat(parts)
+    inverse = np.empty(len(order), dtype=np.int64)
+    inverse[np.asarray(order, dtype=np.int64)] = np.arange(len(order), dtype=np.int64)
+    raw, offsets = _gather_bytes(raw, offsets, inverse)
+    return _column_tensor(raw, offsets, frames[next(iter(columns))])
 
 
-def _column_tensor(raw: torch.Tensor, offsets: torch.Tensor | None, frame: Frame) -> torch.Tensor:
-    """Gathered bytes ``[rows of values, bytes per row]`` (and a jagged column's offsets) as the frame's column."""
-    values = _typed(raw, frame)
+def _column_tensor(raw: np.ndarray, offsets: np.ndarray | None, frame: Frame) -> torch.Tensor:
+    """Fresh gathered bytes ``[rows of values, bytes per row]`` (and a jagged column's offsets) as the frame's
+    column."""
+    values = _column_values(raw, frame)
     if offsets is None:
         return values
-    return torch.nested.nested_tensor_from_jagged(values, offsets)
+    return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets))
 
 
-def _concat(parts: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    values = torch.cat([p[0] for p in parts])
+def _concat(parts: Sequence[tuple[np.ndarray, np.ndarray | None]]) -> tuple[np.ndarray, np.ndarray | None]:
+    values = np.concatenate([p[0] for p in parts])
     if parts[0][1] is None:
         return values, None
-    offsets = [torch.zeros(1, dtype=torch.int64)]
+    offsets = [np.zeros(1, dtype=np.int64)]
     base = 0
     for _values, part_offsets in parts:
         offsets.append(part_offsets[1:] + base)
         base += int(part_offsets[-1])
-    return values, torch.cat(offsets)
+    return values, np.concatenate(offsets)
 
 
 def field_schema(frames: Mapping[str, Frame]) -> dict[str, dict[str, Any]]:
@@ -417,7 +434,7 @@ class RowIndex:
         With ``sole``, also ``{"shadowed": key}`` for the first key whose row holds two wire fields of one user
         field, any field, asked for or not (a rewrite in another kind, dtype or shape, put through the adapter, since
         the row's last clear): only the key's tags tell which is current, so a caller that reads without TQ's lookup
-        (:meth:`RayObjectStorageManager.get_by_key`) does not read such a row.
+        (:meth:`RayObjectStorageManager.read_by_key`) does not read such a row.
 
         With ``tags`` (reserved tag names: only a put's reserved tags, the integrity digests, are kept here), also
         ``"tags"``: per key, those of ``tags`` that the puts naming it merged into its tags since its row's last
@@ -656,7 +673,7 @@ class RayObjectStorageManager(StorageManager):
     ) -> None:
         """Store the rows of ``staged`` (:meth:`stage`) at the global indexes ``metadata`` names: the second half of
         :meth:`put_data`. ``reserved_tags[i]``, the reserved tags (integrity digests) the put merges into key
-        ``i``'s tags, go to the index too, which keeps them by key for :meth:`get_by_key` (only with the
+        ``i``'s tags, go to the index too, which keeps them by key for :meth:`read_by_key` (only with the
         :data:`OWNERS` the adapter names).
 
         Raises:

@@ -54,9 +54,11 @@ import concurrent.futures
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
+import attrs
 import ray
 import transfer_queue as tq
 from tensordict import TensorDict
@@ -206,6 +208,20 @@ def _forget_keys(client: tq.TransferQueueClient, meta: tq.BatchMeta) -> None:
             forget(*owners)
 
 
+def _blocking_get(refs: Any) -> concurrent.futures.Future[Any]:
+    """``ray.get(refs)`` in a daemon thread of its own (no timeout, so Ray keeps one transfer going), as a future."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(ray.get(refs))
+        except Exception as error:  # the caller's wait raises it
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="transfer-queue-get", daemon=True).start()
+    return future
+
+
 # ---------------------------------------------------------------- stores
 
 
@@ -320,16 +336,32 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         )
 
     def _ray_waiter(self, op: str) -> Callable[[Any], Any]:
-        """A ``ray.get`` of object refs in the calling thread, within the deadline, the parts probed while it waits."""
+        """``ray.get`` of object refs in the calling thread, for one store call: its waits share the call's one
+        deadline, and the store's parts are probed while they wait.
+
+        A wait first polls ``ray.get`` for one probe interval. If that does not finish, the rest of the wait is one
+        blocking ``ray.get`` in a thread of its own, which it polls: a ``ray.get`` that times out gives up Ray's
+        transfer of an object from another node, so polling with timeouts would never finish a transfer longer
+        than a probe interval. (If the call then fails, that thread's ``ray.get`` ends with the transfer.)
+        """
+        end = time.monotonic() + self._deadlines.call_s
+
+        def left() -> float:
+            return max(end - time.monotonic(), 1e-3)
 
         def wait(refs: Any) -> Any:
-            def poll(timeout: float) -> tuple[bool, Any]:
-                try:
-                    return True, ray.get(refs, timeout=timeout)
-                except ray.exceptions.GetTimeoutError:
-                    return False, None
+            try:
+                return ray.get(refs, timeout=min(self._deadlines.probe_every_s, left()))
+            except ray.exceptions.GetTimeoutError:
+                pass
+            fetched = _blocking_get(refs)
 
-            return wait_for(poll, op=op, store=tq_system.STORE_NAME, deadlines=self._deadlines, check=self.check_health)
+            def poll(timeout: float) -> tuple[bool, Any]:
+                concurrent.futures.wait([fetched], timeout=timeout)
+                return (True, fetched.result()) if fetched.done() else (False, None)
+
+            deadlines = attrs.evolve(self._deadlines, call_s=left())
+            return wait_for(poll, op=op, store=tq_system.STORE_NAME, deadlines=deadlines, check=self.check_health)
 
         return wait
 

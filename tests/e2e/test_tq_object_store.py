@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -33,7 +34,7 @@ import torch
 from tensordict import TensorDict
 
 from adapters import tq_object_store, tq_system
-from adapters.store_health import Deadlines, StoreFailure
+from adapters.store_health import Deadlines, StoreFailure, StoreTimeout
 from adapters.transfer_queue import TransferQueueStore
 from shell.metering import IntegrityError, MeteredClient
 from tests.e2e.conftest import ROOT, TQ_BACKEND
@@ -211,14 +212,24 @@ def test_a_get_finds_its_rows_by_key_once_it_knows_their_wire_fields(
 
 @on_object_store
 def test_a_get_by_key_of_a_stopped_index_fails_within_its_deadline_naming_the_index(
-    tq_store_session: TransferQueueStore, partition: str
+    tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A get by key alone waits on the index in the caller's thread, probing the store's parts: with the index's
     process stopped (SIGSTOP), the get fails within about the probe timeout, naming the index and its pid."""
     deadlines = Deadlines(call_s=5.0, probe_every_s=0.05, probe_timeout_s=0.5)
-    store = TransferQueueStore(parts=tq_system.parts(deadlines.probe_timeout_s), deadlines=deadlines)
+    store = TransferQueueStore(tq_system.attach(), parts=tq_system.parts(deadlines.probe_timeout_s), deadlines=deadlines)
+    manager = tq_system.client().storage_manager
+    by_key, threads = manager.read_by_key, []
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread())
+        return by_key(*args, **kwargs)
+
+    monkeypatch.setattr(manager, "read_by_key", spy)
     store.put(["a"], partition, TensorDict({"x": _jagged([[1, 2]])}, batch_size=[1]))
     assert store.get(["a"], partition, ["x"])["x"].values().tolist() == [1, 2]  # learns the wire fields
+    assert store.get(["a"], partition, ["x"])["x"].values().tolist() == [1, 2]  # by key, in this thread
+    assert threads == [threading.current_thread()]
     (index,) = [part for part in store.parts() if part.role == "TransferQueue object-store index"]
     assert index.pid is not None
     os.kill(index.pid, signal.SIGSTOP)
@@ -231,6 +242,33 @@ def test_a_get_by_key_of_a_stopped_index_fails_within_its_deadline_naming_the_in
         os.kill(index.pid, signal.SIGCONT)
     store.close()
     TransferQueueStore.attach().clear(["a"], partition)
+
+
+@ray.remote(num_cpus=0)
+def _after(seconds: float, value: int) -> int:
+    time.sleep(seconds)
+    return value
+
+
+@on_object_store
+def test_a_get_by_keys_waits_outlast_a_probe_interval_and_share_one_deadline(tq_store_session: TransferQueueStore) -> None:
+    """The waits of one get by key: one that outlasts its first poll (a probe interval) still returns its value
+    (a blocking ``ray.get`` finishes it, so no transfer restarts at each poll); and the get's waits share the
+    call's one deadline: a second wait fails with what the first left of it, not a deadline of its own."""
+    ray.get(_after.remote(0.0, 0))  # a warm worker: the timings below are the waits', not a worker's start
+    deadlines = Deadlines(call_s=3.0, probe_every_s=0.05, probe_timeout_s=2.0)
+    store = TransferQueueStore(tq_system.attach(), parts=tq_system.parts(deadlines.probe_timeout_s), deadlines=deadlines)
+    wait = store._ray_waiter("get")
+    assert wait(_after.remote(1.2, 7)) == 7
+    never = _after.remote(60.0, 8)
+    started = time.monotonic()
+    try:
+        with pytest.raises(StoreTimeout, match="'get' had no result within"):
+            wait(never)
+        assert time.monotonic() - started < 2.5  # at most the 1.8 s left of the call's 3 s, not 3 s more
+    finally:
+        ray.cancel(never, force=True)
+        store.close()
 
 
 @on_object_store
