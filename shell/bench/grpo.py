@@ -15,7 +15,9 @@ per-step rewards, losses and grad norms must be bitwise equal between the
 paths. And it reads every process's resident memory after each step
 (``run.memory_every=1``: the driver, the policy ranks, the rollout engine,
 the store's parts), with its growth per 100 steps: a long run (``--steps
-300``) shows a leak in any of them as a steady slope.
+300``) shows a leak in any of them as a steady slope. Per phase of the step
+it reports each path's median milliseconds and the data plane's extra ones:
+where the step's difference goes.
 """
 
 from __future__ import annotations
@@ -160,6 +162,12 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
         parity,
     )
     report.table(
+        f"Phase times per path (ms; per path the median over the {cfg.repeats} repeats of each repeat's median after "
+        f"{cfg.warmup} warm-up steps) and what the data plane adds to each (its ms minus legacy's)",
+        ["phase", "legacy ms", "data plane ms", "data plane - legacy ms"],
+        phase_rows(results, cfg.warmup),
+    )
+    report.table(
         f"Resident memory per process (MiB, VmRSS right after each step): at step {cfg.warmup + 1}, at step "
         f"{cfg.steps}, and its growth per 100 steps (least-squares slope over steps {cfg.warmup + 1}-{cfg.steps}); "
         f"medians over the {cfg.repeats} repeats, each with fresh workers (the driver, this process, serves every "
@@ -169,6 +177,37 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
         resident_rows(results, cfg.warmup),
     )
     report.finish()
+
+
+def phase_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup: int) -> list[list[str]]:
+    """The phase table's rows from each path's runs of step records: one row per phase that every record after
+    ``warmup`` of both paths times (``phase_<name>_s``), in the order the legacy records list them, then the whole
+    step (``step_time_s``): per path the median over the runs of each run's median, in ms, and the data plane's
+    minus legacy's. Where a step's extra time goes is the last column, in ms, which a ratio of two near-zero phase
+    times does not show.
+
+    Raises:
+        ValueError: a path has no runs, or a run has no record after ``warmup``.
+    """
+    kept: dict[str, list[Sequence[dict[str, Any]]]] = {}
+    for path in PATHS:
+        runs = results.get(path, ())
+        if not runs:
+            raise ValueError(f"'results' must hold runs of path {path!r}: got none")
+        kept[path] = [run[warmup:] for run in runs]
+        if any(not run for run in kept[path]):
+            raise ValueError(f"every run of path {path!r} must have a step after the {warmup} warm-up steps")
+    every = [record for path in PATHS for run in kept[path] for record in run]
+    phases = [k for k in kept["legacy"][0][0] if k.startswith("phase_") and all(k in r for r in every)]
+
+    def ms(path: str, key: str) -> float:
+        return 1e3 * statistics.median(statistics.median(r[key] for r in run) for run in kept[path])
+
+    rows = []
+    for key, name in [*((k, k[len("phase_"):].removesuffix("_s")) for k in phases), ("step_time_s", "step")]:
+        legacy, plane = ms("legacy", key), ms("data plane", key)
+        rows.append([name, f"{legacy:.1f}", f"{plane:.1f}", f"{plane - legacy:+.1f}"])
+    return rows
 
 
 def _readings(run: Sequence[dict[str, Any]], process: str) -> list[float]:

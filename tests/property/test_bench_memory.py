@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from adapters.proc_memory import resident_mib
 from core.memory_trend import growth_per_100_steps
-from shell.bench.grpo import resident_rows
+from shell.bench.grpo import phase_rows, resident_rows
 
 
 @given(
@@ -106,3 +106,43 @@ def test_resident_mib_of_an_exited_unreaped_child_raises_process_lookup_error() 
             resident_mib(child.pid)
     finally:
         child.wait()
+
+
+def _phase_records(phases: dict[str, float], steps: int, scale: float) -> list[dict]:
+    return [
+        {"step": i, "step_time_s": sum(phases.values()) * scale, **{f"phase_{k}_s": v * scale for k, v in phases.items()}}
+        for i in range(1, steps + 1)
+    ]
+
+
+@given(
+    legacy=st.dictionaries(st.sampled_from(["rollout", "logprobs", "train", "refit"]), st.floats(0.001, 1.0), min_size=1),
+    extra=st.floats(0.0, 0.05),
+    warmup=st.integers(0, 3),
+)
+def test_phase_rows_give_each_phase_both_paths_ms_and_the_data_planes_extra(
+    legacy: dict[str, float], extra: float, warmup: int
+) -> None:
+    """Each phase both paths time gets a row with each path's median ms and the data plane's minus legacy's, in
+    the records' order, then the whole step; a phase the data plane does not time is left out, and warm-up steps
+    (here twice as slow) do not count."""
+    plane = {k: v + extra for k, v in legacy.items()}
+    slow = lambda records: [{**r, **{k: v * 2 for k, v in r.items() if k != "step"}} if r["step"] <= warmup else r for r in records]  # noqa: E731
+    results = {
+        "legacy": [slow(_phase_records({**legacy, "dapo": 0.5}, warmup + 3, 1.0)) for _ in range(3)],
+        "data plane": [slow(_phase_records(plane, warmup + 3, 1.0)) for _ in range(3)],
+    }
+    rows = phase_rows(results, warmup)
+    assert [row[0] for row in rows] == [*legacy, "step"]
+    for row, (name, seconds) in zip(rows, legacy.items()):
+        assert row[1:] == [f"{seconds * 1e3:.1f}", f"{plane[name] * 1e3:.1f}", f"{plane[name] * 1e3 - seconds * 1e3:+.1f}"]
+    step_legacy, step_plane = sum(legacy.values()) + 0.5, sum(plane.values())
+    assert rows[-1][1:] == [f"{step_legacy * 1e3:.1f}", f"{step_plane * 1e3:.1f}", f"{step_plane * 1e3 - step_legacy * 1e3:+.1f}"]
+
+
+def test_phase_rows_need_steps_after_the_warm_up() -> None:
+    records = _phase_records({"train": 0.1}, 2, 1.0)
+    with pytest.raises(ValueError, match="must have a step after the 2 warm-up steps"):
+        phase_rows({"legacy": [records], "data plane": [records]}, 2)
+    with pytest.raises(ValueError, match="must hold runs of path 'data plane'"):
+        phase_rows({"legacy": [records]}, 0)
