@@ -213,6 +213,8 @@ def _blocking_get(refs: Any) -> concurrent.futures.Future[Any]:
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
     def run() -> None:
+        if not future.set_running_or_notify_cancel():  # the caller's wait ended before this thread ran
+            return
         try:
             future.set_result(ray.get(refs))
         except Exception as error:  # the caller's wait raises it
@@ -319,8 +321,9 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         self._parts.raise_if_failed()
         return asyncio.run_coroutine_threadsafe(function(*args, **kwargs), tq_system.client()._loop)
 
-    def _result(self, op: str, future: concurrent.futures.Future[Any]) -> Any:
-        """The result of a call :meth:`_submit` started, within the deadline, the parts probed while it waits."""
+    def _result(self, op: str, future: concurrent.futures.Future[Any], deadlines: Deadlines | None = None) -> Any:
+        """The result of a call :meth:`_submit` started (or of any future), within the deadline (``deadlines``, by
+        default the store's), the parts probed while it waits."""
 
         def poll(timeout: float) -> tuple[bool, Any]:
             concurrent.futures.wait([future], timeout=timeout)
@@ -330,7 +333,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             poll,
             op=op,
             store=tq_system.STORE_NAME,
-            deadlines=self._deadlines,
+            deadlines=self._deadlines if deadlines is None else deadlines,
             check=self.check_health,
             cancel=future.cancel,
         )
@@ -354,14 +357,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
                 return ray.get(refs, timeout=min(self._deadlines.probe_every_s, left()))
             except ray.exceptions.GetTimeoutError:
                 pass
-            fetched = _blocking_get(refs)
-
-            def poll(timeout: float) -> tuple[bool, Any]:
-                concurrent.futures.wait([fetched], timeout=timeout)
-                return (True, fetched.result()) if fetched.done() else (False, None)
-
-            deadlines = attrs.evolve(self._deadlines, call_s=left())
-            return wait_for(poll, op=op, store=tq_system.STORE_NAME, deadlines=deadlines, check=self.check_health)
+            return self._result(op, _blocking_get(refs), attrs.evolve(self._deadlines, call_s=left()))
 
         return wait
 
