@@ -41,7 +41,7 @@ import torch
 from core.replay import GroupReceipt, may_generate
 from core.task import Task
 from shell.column_io import clear_stored
-from shell.policy_worker import client_io
+from shell.metering import OPS
 from shell.replay_buffer import ReplayBufferClient
 from shell.rollout import RolloutResult, RolloutWorker, row_keys
 from shell.worker import on_all_ranks
@@ -106,7 +106,7 @@ class RolloutCollector(RolloutWorker):
         self._staged: Mapping[str, torch.Tensor] | None = None
         self._in_flight: dict[str, None] = {}
         self._stats = {"batches": 0, "generated_tokens": 0, "generate_s": 0.0, "wait_s": 0.0,
-                       "store_ms": 0.0, "store_bytes": 0.0}
+                       "store_ms": 0.0, "store_bytes": 0.0, **{f"store_{op}_ms": 0.0 for op in OPS}}
 
     # ------------------------------------------------------------ weights
 
@@ -162,12 +162,15 @@ class RolloutCollector(RolloutWorker):
                 # Counted before the buffer has the batch: a trainer that samples it and then reads ``stats`` must
                 # find its tokens there (counted after the offer, a step could read 0 and the next step twice).
                 with self._cond:
-                    io = client_io(self._client)
+                    # The batch's store I/O as generate read it off the client's counters (a second read finds none).
+                    io = result.store_io
                     self._stats["batches"] += 1
                     self._stats["generated_tokens"] += sum(result.response_tokens)
                     self._stats["generate_s"] += elapsed
                     self._stats["store_ms"] += io["ms"]
                     self._stats["store_bytes"] += io["bytes"]
+                    for op in OPS:
+                        self._stats[f"store_{op}_ms"] += io.get(f"{op}_ms", 0.0)
                 if not self._hand_over(buffer, receipts):
                     break
                 with self._cond:
@@ -228,7 +231,8 @@ class RolloutCollector(RolloutWorker):
     @on_all_ranks
     def stats(self) -> dict[str, float]:
         """Totals so far: ``batches``, ``generated_tokens``, ``generate_s``, ``wait_s`` (gate and full
-        buffer), ``store_ms``, ``store_bytes``, and ``version`` (of the engine's weights). A batch counts once it
+        buffer), ``store_ms``, ``store_bytes``, the store's milliseconds per operation (``store_put_ms``,
+        ``store_get_ms``, ``store_clear_ms``), and ``version`` (of the engine's weights). A batch counts once it
         is generated, before the buffer takes it, so a trainer that sampled it finds it counted."""
         with self._cond:
             return {**self._stats, "version": float(self._version)}

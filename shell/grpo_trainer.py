@@ -672,6 +672,7 @@ class GRPOTrainer:
             **{f"phase_{name}_s": value for name, value in self.timer.durations().items()},
             **taken.metrics,
             "data_plane_ms": report.store_ms,
+            "data_plane_ms_by_call": dict(report.store_ms_by_call),
             "data_plane_bytes": report.store_bytes,
             # what crossed the driver: every batch's carry, plus what the transport moved through it
             "driver_bytes": taken.carry_bytes + report.driver_bytes,

@@ -48,6 +48,7 @@ from core.meta import KVBatchMeta
 from core.model_config import TinyGPTConfig
 from core.step_plan import micro_batch_spans
 from shell.column_io import read_columns, write_columns
+from shell.metering import OPS
 from shell.rank_input import RankInput
 from shell.model_worker import ClientFactory, ModelWorker
 from shell.row_cache import StepRowCache
@@ -123,16 +124,18 @@ def fetch_rank_batch(
 
 
 def client_io(client: DataPlaneClient | None) -> dict[str, float]:
-    """The store activity of ``client`` since the last call: ``{"ms", "bytes"}`` (zeros unless it is metered).
+    """The store activity of ``client`` since the last call: ``{"ms", "bytes"}`` and the milliseconds of each
+    operation, ``put_ms``, ``get_ms`` and ``clear_ms`` (zeros unless it is metered).
 
     A :class:`shell.metering.MeteredClient` reports its ``step_delta()``; any
     other client reports nothing measured.
     """
     delta = getattr(client, "step_delta", None)
     if delta is None:
-        return {"ms": 0.0, "bytes": 0.0}
+        return {"ms": 0.0, "bytes": 0.0, **{f"{op}_ms": 0.0 for op in OPS}}
     stats = delta()
-    return {"ms": float(stats.total_ms), "bytes": float(stats.total_bytes)}
+    by_op = {f"{op}_ms": float(stats.ops[op].total_ms) if op in stats.ops else 0.0 for op in OPS}
+    return {"ms": float(stats.total_ms), "bytes": float(stats.total_bytes), **by_op}
 
 
 def _tensors(batch: TensorDict) -> dict[str, torch.Tensor]:

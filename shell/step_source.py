@@ -41,6 +41,7 @@ from core.rollout_carry import RolloutCarry, dapo_selection, group_count
 from core.task import Task
 from core.topology import NamedSharding
 from shell.collector import CollectorPlan, RolloutCollector
+from shell.metering import OPS
 from shell.node_placement import rank_options
 from shell.phases import PhaseTimer
 from shell.policy import Policy
@@ -465,7 +466,9 @@ class CollectorSource:
         stats = self._call_collector(RolloutCollector.stats)
         previous, self._collector_stats = self._collector_stats, stats
         delta = {k: v - previous.get(k, 0.0) for k, v in stats.items()}
-        transport.admit(rows, {"ms": delta["store_ms"], "bytes": delta["store_bytes"]})
+        transport.admit(rows, {
+            "ms": delta["store_ms"], "bytes": delta["store_bytes"], **{f"{op}_ms": delta[f"store_{op}_ms"] for op in OPS}
+        })
         lags = [version_lag(version, int(v)) for v in rows.meta.tag_column(WEIGHT_VERSION)]
         now = time.perf_counter()
         interval, self._last = now - self._last, now

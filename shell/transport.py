@@ -44,10 +44,11 @@ from adapters.rows import build_tensordict
 from adapters.store_port import DataPlaneClient
 from core.codec import is_jagged, to_jagged, to_padded
 from core.fields import GLOBAL_FORWARD_PAD_SEQLEN, LENGTHS, is_token_field
+from core.frozen import FrozenDict, freeze
 from core.meta import KVBatchMeta
 from core.sharding import shard_row_indices
 from shell.column_io import clear_stored, read_columns, write_columns
-from shell.metering import column_bytes
+from shell.metering import OPS, column_bytes
 from shell.model_worker import ClientFactory
 from shell.rank_input import InlineShard, RankInput, StoreShard
 from shell.step_rows import StepRows
@@ -75,12 +76,16 @@ class TransportReport:
         keys_outstanding: keys of this run (those starting with the transport's ``key_prefix``) left in the
             step's partition after the step (0 on the legacy path); other runs' keys in a shared partition are not
             counted.
+        store_ms_by_call: ``store_ms`` by process and operation, ``"<process> <op>"`` -> ms, where the process is
+            ``rollout`` (the engine, or the async collector), ``policy`` (every rank) or ``driver``, and the op is
+            ``put``, ``get`` or ``clear`` (empty on the legacy path): where the step's store time went.
     """
 
     driver_bytes: int = 0
     store_ms: float = 0.0
     store_bytes: int = 0
     keys_outstanding: int = 0
+    store_ms_by_call: FrozenDict = attrs.field(factory=FrozenDict, converter=freeze)
 
 
 @runtime_checkable
@@ -278,11 +283,12 @@ class DataPlaneTransport:
         self._open: dict[str, None] = {}  # keys written in the open step, in write order
         self._held: list[tuple[dict[str, int], dict[str, torch.Tensor]]] = []  # driver-held writes: (key -> row, columns)
         self._io = {"ms": 0.0, "bytes": 0.0}
+        self._by_call: dict[str, float] = {}  # "<process> <op>" -> ms this step
         self._bytes = 0
 
     def admit(self, rows: StepRows, store_io: Mapping[str, float]) -> None:
         self._open.update(dict.fromkeys(rows.meta.keys))
-        self._add_io(store_io)
+        self._add_io(store_io, "rollout")
 
     def discard(self, rows: StepRows) -> None:
         self._clear(rows.meta.keys)
@@ -314,7 +320,7 @@ class DataPlaneTransport:
         self, rows: StepRows, results: Sequence[Mapping[str, Any]], unsorted: Sequence[int], names: Sequence[str]
     ) -> StepRows:
         for result in results:
-            self._add_io(result.get("data_plane") or {})
+            self._add_io(result.get("data_plane") or {}, "policy")
         return rows.with_meta(rows.meta.with_fields(names)) if names else rows
 
     def write(self, rows: StepRows, columns: Mapping[str, torch.Tensor]) -> StepRows:
@@ -365,14 +371,17 @@ class DataPlaneTransport:
         delta = getattr(self.client, "step_delta", None)
         if delta is not None:
             stats = delta()
-            self._add_io({"ms": stats.total_ms, "bytes": stats.total_bytes})
+            by_op = {f"{op}_ms": stats.ops[op].total_ms for op in OPS if op in stats.ops}
+            self._add_io({"ms": stats.total_ms, "bytes": stats.total_bytes, **by_op}, "driver")
         io, self._io = self._io, {"ms": 0.0, "bytes": 0.0}
+        by_call, self._by_call = self._by_call, {}
         moved, self._bytes = self._bytes, 0
         return TransportReport(
             driver_bytes=moved,
             store_ms=io["ms"],
             store_bytes=int(io["bytes"]),
             keys_outstanding=sum(k.startswith(self.key_prefix) for k in self.client.list_keys(self.partition_id)),
+            store_ms_by_call=by_call,
         )
 
     def abort(self) -> None:
@@ -386,6 +395,12 @@ class DataPlaneTransport:
             for positions, _columns in self._held:
                 positions.pop(key, None)
 
-    def _add_io(self, io: Mapping[str, float]) -> None:
+    def _add_io(self, io: Mapping[str, float], process: str) -> None:
+        """Add a process's store activity (``{"ms", "bytes"}`` and, when it reports them, ``put_ms``, ``get_ms``,
+        ``clear_ms``) to the step's."""
         for name in self._io:
             self._io[name] += float(io.get(name, 0.0))
+        for op in OPS:
+            if f"{op}_ms" in io:
+                call = f"{process} {op}"
+                self._by_call[call] = self._by_call.get(call, 0.0) + float(io[f"{op}_ms"])

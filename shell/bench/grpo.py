@@ -168,6 +168,13 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
         phase_rows(results, cfg.warmup),
     )
     report.table(
+        f"Store calls of the data plane per step, by process and operation (ms; the median over the {cfg.repeats} "
+        f"repeats of each repeat's median after {cfg.warmup} warm-up steps; policy: every rank summed) and their "
+        f"share of the step",
+        ["process and call", "ms / step", "share of the step"],
+        store_call_rows(results["data plane"], cfg.warmup),
+    )
+    report.table(
         f"Resident memory per process (MiB, VmRSS right after each step): at step {cfg.warmup + 1}, at step "
         f"{cfg.steps}, and its growth per 100 steps (least-squares slope over steps {cfg.warmup + 1}-{cfg.steps}); "
         f"medians over the {cfg.repeats} repeats, each with fresh workers (the driver, this process, serves every "
@@ -181,10 +188,11 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
 
 def phase_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup: int) -> list[list[str]]:
     """The phase table's rows from each path's runs of step records: one row per phase that every record after
-    ``warmup`` of both paths times (``phase_<name>_s``), in the order the legacy records list them, then the whole
-    step (``step_time_s``): per path the median over the runs of each run's median, in ms, and the data plane's
-    minus legacy's. Where a step's extra time goes is the last column, in ms, which a ratio of two near-zero phase
-    times does not show.
+    ``warmup`` of both paths times (``phase_<name>_s``), in the order the legacy records list them, then ``other``,
+    the step's time outside every phase it timed (``step_time_s`` minus the sum of its ``phase_<name>_s``), then
+    the whole step (``step_time_s``): per path the median over the runs of each run's median, in ms, and the data
+    plane's minus legacy's. Where a step's extra time goes is the last column, in ms, which a ratio of two
+    near-zero phase times does not show. (Medians do not add up: the rows' sum is not the step's median.)
 
     Raises:
         ValueError: a path has no runs, or a run has no record after ``warmup``.
@@ -200,14 +208,48 @@ def phase_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup
     every = [record for path in PATHS for run in kept[path] for record in run]
     phases = [k for k in kept["legacy"][0][0] if k.startswith("phase_") and all(k in r for r in every)]
 
+    def other(record: dict[str, Any]) -> float:
+        return record["step_time_s"] - sum(v for k, v in record.items() if k.startswith("phase_"))
+
     def ms(path: str, key: str) -> float:
-        return 1e3 * statistics.median(statistics.median(r[key] for r in run) for run in kept[path])
+        value = other if key == OTHER else lambda record: record[key]
+        return 1e3 * statistics.median(statistics.median(value(r) for r in run) for run in kept[path])
 
     rows = []
-    for key, name in [*((k, k[len("phase_"):].removesuffix("_s")) for k in phases), ("step_time_s", "step")]:
+    named = [*((k, k[len("phase_"):].removesuffix("_s")) for k in phases), (OTHER, OTHER), ("step_time_s", "step")]
+    for key, name in named:
         legacy, plane = ms("legacy", key), ms("data plane", key)
         rows.append([name, f"{legacy:.1f}", f"{plane:.1f}", f"{plane - legacy:+.1f}"])
     return rows
+
+
+OTHER = "other"
+"""The phase table's row of a step's time outside its timed phases."""
+
+
+def store_call_rows(runs: Sequence[Sequence[dict[str, Any]]], warmup: int) -> list[list[str]]:
+    """The store-call table's rows from the data plane's runs of step records with ``data_plane_ms_by_call``: one
+    row per process and operation that some record after ``warmup`` names (a record that does not name it counts
+    0), busiest first, then ``all`` (``data_plane_ms``): the median over the runs of each run's median ms per step,
+    and the share of the step (the median over the runs of each run's median ``ms / step_time_s``).
+
+    Raises:
+        ValueError: no runs, or a run has no record after ``warmup``.
+    """
+    kept = [run[warmup:] for run in runs]
+    if not kept or any(not run for run in kept):
+        raise ValueError(f"'runs' must hold at least one run, each with a step after the {warmup} warm-up steps")
+    calls = sorted({call for run in kept for r in run for call in r["data_plane_ms_by_call"]})
+
+    def per_step(value: Any) -> tuple[float, float]:
+        ms = statistics.median(statistics.median(value(r) for r in run) for run in kept)
+        share = statistics.median(statistics.median(value(r) / (1e3 * r["step_time_s"]) for r in run) for run in kept)
+        return ms, share
+
+    rows = [(call, *per_step(lambda r, c=call: r["data_plane_ms_by_call"].get(c, 0.0))) for call in calls]
+    rows.sort(key=lambda row: -row[1])
+    rows.append(("all", *per_step(lambda r: r["data_plane_ms"])))
+    return [[call, f"{ms:.1f}", f"{100 * share:.1f}%"] for call, ms, share in rows]
 
 
 def _readings(run: Sequence[dict[str, Any]], process: str) -> list[float]:

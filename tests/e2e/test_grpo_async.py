@@ -9,6 +9,7 @@ the rows each step trains on and the keys the store holds between steps.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import signal
 import time
@@ -93,6 +94,12 @@ def test_async_records_its_metrics_and_sync_records_zeros(parity_runs: dict[str,
     for record in parity_runs["sync"]["records"]:
         assert (record["version_lag_max"], record["buffer_groups"], record["groups_evicted"]) == (0, 0, 0)
         assert record["collector_wait_s"] == 0.0
+    for name in ("sync", "async_tq", "async_memory"):  # the store time by process and call adds up to the whole
+        records = parity_runs[name]["records"]
+        for record in records:
+            calls = record["data_plane_ms_by_call"]
+            assert math.isclose(sum(calls.values()), record["data_plane_ms"], rel_tol=1e-9), (name, record["step"])
+        assert all(r["data_plane_ms_by_call"].get("rollout put", 0.0) > 0 for r in records), name  # the collector's too
 
 
 def test_every_tenth_record_has_each_process_resident_memory(parity_runs: dict[str, Any]) -> None:

@@ -47,7 +47,7 @@ SMALL = [
 ]
 REQUIRED_KEYS = (
     "step", "reward_mean", "entropy", "loss", "kl", "grad_norm", "step_time_s", "data_plane_ms", "data_plane_bytes",
-    "driver_bytes", "store_keys_outstanding",
+    "driver_bytes", "store_keys_outstanding", "data_plane_ms_by_call",
 )
 PARITY_KEYS = ("reward_mean", "entropy", "loss", "kl", "grad_norm")
 
@@ -152,6 +152,18 @@ def test_run_data_plane_moves_bulk_off_the_driver(runs: dict[str, Any]) -> None:
         assert b["driver_bytes"] <= 0.10 * a["driver_bytes"], f"step {a['step']}: {b['driver_bytes']} vs {a['driver_bytes']}"
         assert b["data_plane_bytes"] > a["driver_bytes"] / 2  # the rows went through the store instead
         assert a["data_plane_bytes"] == 0 and a["data_plane_ms"] == 0
+
+
+def test_run_data_plane_splits_its_store_time_by_process_and_call(runs: dict[str, Any]) -> None:
+    """Each data-plane step's store time is split by process and operation, and the parts add up to the whole: the
+    engine's put, the ranks' gets and puts (DP=2: each writes back the rows the other trains on) and the driver's
+    clear each took some of it; the legacy path reports no split."""
+    for a, b in zip(runs["legacy"]["records"], runs["data_plane"]["records"]):
+        calls = b["data_plane_ms_by_call"]
+        assert {"rollout put", "policy get", "policy put", "driver clear"} <= {c for c, ms in calls.items() if ms > 0}
+        assert set(calls) <= {f"{p} {op}" for p in ("rollout", "policy", "driver") for op in ("put", "get", "clear")}
+        assert math.isclose(sum(calls.values()), b["data_plane_ms"], rel_tol=1e-9), (calls, b["data_plane_ms"])
+        assert a["data_plane_ms_by_call"] == {}
 
 
 def test_run_writes_metrics_plot_samples_and_checkpoint(runs: dict[str, Any]) -> None:

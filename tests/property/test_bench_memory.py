@@ -1,9 +1,10 @@
 """Laws of memory readings: a process's resident memory from ``/proc``, the growth slope, and the grpo bench's
-resident-memory rows."""
+resident-memory rows; and of the grpo bench's phase and store-call rows."""
 
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from adapters.proc_memory import resident_mib
 from core.memory_trend import growth_per_100_steps
-from shell.bench.grpo import phase_rows, resident_rows
+from shell.bench.grpo import phase_rows, resident_rows, store_call_rows
 
 
 @given(
@@ -108,9 +109,10 @@ def test_resident_mib_of_an_exited_unreaped_child_raises_process_lookup_error() 
         child.wait()
 
 
-def _phase_records(phases: dict[str, float], steps: int, scale: float) -> list[dict]:
+def _phase_records(phases: dict[str, float], steps: int, scale: float, gap: float = 0.0) -> list[dict]:
+    """Steps of the given phase seconds (times ``scale``), each taking ``gap`` seconds more than its phases."""
     return [
-        {"step": i, "step_time_s": sum(phases.values()) * scale, **{f"phase_{k}_s": v * scale for k, v in phases.items()}}
+        {"step": i, "step_time_s": sum(phases.values()) * scale + gap, **{f"phase_{k}_s": v * scale for k, v in phases.items()}}
         for i in range(1, steps + 1)
     ]
 
@@ -124,19 +126,21 @@ def test_phase_rows_give_each_phase_both_paths_ms_and_the_data_planes_extra(
     legacy: dict[str, float], extra: float, warmup: int
 ) -> None:
     """Each phase both paths time gets a row with each path's median ms and the data plane's minus legacy's, in
-    the records' order, then the whole step; a phase the data plane does not time is left out, and warm-up steps
-    (here twice as slow) do not count."""
+    the records' order, then ``other`` (each path's time outside the phases it timed, a phase only it times
+    included), then the whole step; a phase the data plane does not time is left out, and warm-up steps (here
+    twice as slow) do not count."""
     plane = {k: v + extra for k, v in legacy.items()}
     slow = lambda records: [{**r, **{k: v * 2 for k, v in r.items() if k != "step"}} if r["step"] <= warmup else r for r in records]  # noqa: E731
     results = {
-        "legacy": [slow(_phase_records({**legacy, "dapo": 0.5}, warmup + 3, 1.0)) for _ in range(3)],
-        "data plane": [slow(_phase_records(plane, warmup + 3, 1.0)) for _ in range(3)],
+        "legacy": [slow(_phase_records({**legacy, "dapo": 0.5}, warmup + 3, 1.0, gap=0.003)) for _ in range(3)],
+        "data plane": [slow(_phase_records(plane, warmup + 3, 1.0, gap=0.005)) for _ in range(3)],
     }
     rows = phase_rows(results, warmup)
-    assert [row[0] for row in rows] == [*legacy, "step"]
+    assert [row[0] for row in rows] == [*legacy, "other", "step"]
     for row, (name, seconds) in zip(rows, legacy.items()):
         assert row[1:] == [f"{seconds * 1e3:.1f}", f"{plane[name] * 1e3:.1f}", f"{plane[name] * 1e3 - seconds * 1e3:+.1f}"]
-    step_legacy, step_plane = sum(legacy.values()) + 0.5, sum(plane.values())
+    assert rows[-2][1:] == ["3.0", "5.0", "+2.0"]
+    step_legacy, step_plane = sum(legacy.values()) + 0.5 + 0.003, sum(plane.values()) + 0.005
     assert rows[-1][1:] == [f"{step_legacy * 1e3:.1f}", f"{step_plane * 1e3:.1f}", f"{step_plane * 1e3 - step_legacy * 1e3:+.1f}"]
 
 
@@ -146,3 +150,38 @@ def test_phase_rows_need_steps_after_the_warm_up() -> None:
         phase_rows({"legacy": [records], "data plane": [records]}, 2)
     with pytest.raises(ValueError, match="must hold runs of path 'data plane'"):
         phase_rows({"legacy": [records]}, 0)
+
+
+@given(
+    calls=st.dictionaries(
+        st.sampled_from(["rollout put", "policy get", "policy put", "driver clear", "driver get"]),
+        st.lists(st.floats(0.0, 50.0), min_size=4, max_size=4),
+        min_size=1,
+    ),
+    warmup=st.integers(0, 2),
+)
+def test_store_call_rows_give_each_calls_median_busiest_first_then_all(calls: dict[str, list[float]], warmup: int) -> None:
+    """Each process and call gets its median ms per step over the steps after the warm-up (one run here) and its
+    median share of the step, busiest first, then ``all``; a call that a step does not name counts 0 there."""
+    steps = [
+        {"step": s, "step_time_s": 0.5, "data_plane_ms": sum(ms[s - 1] for ms in calls.values()),
+         "data_plane_ms_by_call": {c: ms[s - 1] for c, ms in calls.items() if ms[s - 1] > 0}}
+        for s in range(1, 5)
+    ]
+    warm = [{**steps[0], "step": 0, "step_time_s": 9.0, "data_plane_ms": 1e6,
+             "data_plane_ms_by_call": dict.fromkeys(calls, 1e6)}] * warmup
+    rows = store_call_rows([[*warm, *steps]], warmup)
+    named = {c for c, ms in calls.items() if any(ms)}
+    medians = {c: statistics.median(calls[c]) for c in named}
+    assert [row[0] for row in rows[:-1]] == sorted(named, key=lambda c: (-medians[c], c))
+    for row, ms in zip(rows, [*(medians[row[0]] for row in rows[:-1]), statistics.median(s["data_plane_ms"] for s in steps)]):
+        assert float(row[1]) == pytest.approx(ms, abs=0.051)
+        assert row[2].endswith("%") and float(row[2][:-1]) == pytest.approx(100 * ms / 500, abs=0.051)
+    assert rows[-1][0] == "all"
+
+
+def test_store_call_rows_need_steps_after_the_warm_up() -> None:
+    with pytest.raises(ValueError, match="each with a step after the 2 warm-up steps"):
+        store_call_rows([[{"step": 1, "step_time_s": 1.0, "data_plane_ms": 1.0, "data_plane_ms_by_call": {}}]], 2)
+    with pytest.raises(ValueError, match="at least one run"):
+        store_call_rows([], 0)
