@@ -505,6 +505,16 @@ class RowIndex:
         for column, count in released.items():
             self._release(column, count)
 
+    def clear_owned(self, partition: str, keys: Sequence[str], indexes: Sequence[int]) -> None:
+        """:meth:`clear` of each of ``indexes`` whose rows key ``keys[i]`` of ``partition`` still holds there, or no
+        known key does (a put that named no owners, or whose keys were forgotten, wrote them); an index that a put
+        has since given another key keeps that put's rows.
+
+        This is the index's half of a clear that releases the global indexes in TQ's controller at the same time
+        (:meth:`adapters.transfer_queue.TransferQueueStore._drop_and_release`): a put may take a released index and reach the index
+        first."""
+        self.clear([index for key, index in zip(keys, indexes) if self._key_of.get(index) in (None, (partition, key))])
+
     def forget_keys(self, partition: str, keys: Sequence[str]) -> None:
         """Stop answering ``keys`` of ``partition`` by key (:meth:`locate_keys` reports them unknown until a later
         put names them again); their rows stay, and :meth:`locate` by global index still finds them.
@@ -701,6 +711,14 @@ class RayObjectStorageManager(StorageManager):
         owners = _owners(metadata)
         found = await _wait(self._index.locate.remote(indexes, fields, owners))
         return self._read(found, indexes, fields, owners)
+
+    def drop_owned(
+        self, partition_id: str, keys: Sequence[str], indexes: Sequence[int], *, wait: Callable[[Any], Any] = ray.get
+    ) -> None:
+        """Have the index drop the rows that ``keys`` of ``partition_id`` hold at ``indexes`` (the global indexes TQ's
+        controller gave them), in the calling thread; ``wait`` waits for the index's answer (see
+        :meth:`read_by_key`). A row that a put has since given another key stays (:meth:`RowIndex.clear_owned`)."""
+        wait(self._index.clear_owned.remote(partition_id, list(keys), list(indexes)))
 
     def forget_keys(self, partition_id: str, keys: Sequence[str]) -> None:
         """Send the index :meth:`RowIndex.forget_keys` without waiting for it. Ray runs one caller's calls to an

@@ -491,10 +491,14 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             meta.extra_info[tq_object_store.OWNERS] = (partition_id, list(keys))
 
     def _clear(self, keys: tuple[str, ...], partition_id: str) -> None:
-        """One TQ clear of the keys, after checking that all are stored; on Mooncake, one per field set."""
+        """One TQ clear of the keys, after checking that all are stored (the controller's lookup); on Mooncake, one
+        per field set; on :data:`adapters.tq_object_store.BACKEND`, :meth:`_drop_and_release`."""
         client = tq_system.client()
         meta = self._call("clear", client.async_kv_retrieve_meta, keys=list(keys), partition_id=partition_id, create=False)
         self._check_found(client, keys, partition_id, meta)
+        if self._by_key:
+            self._drop_and_release(client, meta, partition_id, keys)
+            return
         groups = field_set_groups(meta.custom_meta) if self._kv_backend else []
         if len(groups) <= 1:
             self._call("clear", client.async_clear_samples, meta)
@@ -504,6 +508,26 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             subset = [keys[i] for i in group]
             found = self._call("clear", client.async_kv_retrieve_meta, keys=subset, partition_id=partition_id, create=False)
             self._call("clear", client.async_clear_samples, found)
+
+    def _drop_and_release(
+        self, client: tq.TransferQueueClient, meta: tq.BatchMeta, partition_id: str, keys: Sequence[str]
+    ) -> None:
+        """The rest of a clear on :data:`adapters.tq_object_store.BACKEND`, once the lookup found every key at
+        ``meta``'s global indexes: the index drops the keys' rows (in this thread) while the controller releases
+        the indexes, one round trip for both. TQ's ``clear_samples`` makes three, one after another: it marks the
+        rows as being cleared, so that its own consumers of new rows skip them, clears storage, and only then
+        releases the indexes, so that no put can reuse an index before its rows are gone. Here the index drops
+        only rows that the cleared keys still hold (:meth:`adapters.tq_object_store.RowIndex.clear_owned`), so a
+        put that reuses a released index keeps its rows whichever arrives first; and this adapter reads rows by
+        key, never as TQ's consumer of new rows. Both halves finish before either's error is raised."""
+        released = self._submit(client._clear_meta_in_controller, meta)
+        try:
+            client.storage_manager.drop_owned(partition_id, keys, list(meta.global_indexes), wait=self._ray_waiter("clear"))
+        except BaseException:
+            with contextlib.suppress(Exception):  # the drop's error is the one to raise
+                self._result("clear", released)
+            raise
+        self._result("clear", released)
 
     def _list_keys(self, partition_id: str) -> tuple[str, ...]:
         listed = self._call("list_keys", tq_system.client().async_kv_list, partition_id)

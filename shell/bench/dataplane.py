@@ -232,6 +232,7 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
         partitions = {name: f"bench-{i}" for i, name in enumerate(names)}
         puts: dict[str, list[float]] = {name: [] for name in names}
         gets: dict[str, list[float]] = {name: [] for name in names}
+        clears: dict[str, list[float]] = {name: [] for name in names}
         hashing: list[float] = []
         for rep in range(cfg.repeats + 1):  # the first round warms up and is not counted
             calls, seen = [], dict.fromkeys(names, 0)
@@ -255,13 +256,17 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
             start = time.perf_counter()
             digest_matrix(list(read_columns_of(read).values()))  # what a verified get hashes
             took_hash = time.perf_counter() - start
+            took_clear = dict.fromkeys(names, 0.0)
             for name, occ in calls:
+                start = time.perf_counter()
                 transports[name].clear(keys[occ], partitions[name], handles[name, occ])
+                took_clear[name] += time.perf_counter() - start
             del handles, read
             if rep:
                 for name in names:
                     puts[name].append(took_put[name] / 2)
                     gets[name].append(took_get[name] / 2)
+                    clears[name].append(took_clear[name] / 2)
                 hashing.append(took_hash)
             report.advance()
 
@@ -269,9 +274,10 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
         raw_put, raw_get = med[RAW_TQ]
         report.table(
             f"store throughput ({cfg.tq_backend}): {cfg.rows} rows, {nbytes / 1e6:.1f} MB payload, median over {cfg.repeats} rounds of 2 calls",
-            ["transport", "put MB/s", "get MB/s", "put ms", "get ms", "put time / raw TQ", "get time / raw TQ"],
+            ["transport", "put MB/s", "get MB/s", "put ms", "get ms", "clear ms", "put time / raw TQ", "get time / raw TQ"],
             [[name, f"{nbytes / p / 1e6:.0f}", f"{nbytes / g / 1e6:.0f}", f"{p * 1e3:.1f}", f"{g * 1e3:.1f}",
-              f"{p / raw_put:.2f}", f"{g / raw_get:.2f}"] for name, (p, g) in med.items()],
+              f"{statistics.median(clears[name]) * 1e3:.1f}", f"{p / raw_put:.2f}", f"{g / raw_get:.2f}"]
+             for name, (p, g) in med.items()],
         )
 
         def paired(a: list[float], b: list[float]) -> list[float]:
@@ -283,6 +289,7 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
             [
                 _ratio_row("adapter put time / raw TQ put", paired(puts[ADAPTER], puts[RAW_TQ]), 1.05, percent=False),
                 _ratio_row("adapter get time / raw TQ get", paired(gets[ADAPTER], gets[RAW_TQ]), 1.05, percent=False),
+                _ratio_row("adapter clear time / raw TQ clear", paired(clears[ADAPTER], clears[RAW_TQ]), None, percent=False),
                 _ratio_row("hashing a get's rows / raw TQ get", paired(hashing, gets[RAW_TQ]), 0.10, percent=True),
                 _ratio_row("integrity put / metered put (end to end)", paired(puts[INTEGRITY], puts[METERED]), 1.10, percent=False),
                 _ratio_row("integrity get / metered get (end to end)", paired(gets[INTEGRITY], gets[METERED]), 1.10, percent=False),

@@ -161,6 +161,11 @@ def test_a_get_of_a_key_whose_index_was_reused_raises_naming_both_keys(
         store.get(["a", "b"], partition, ["x"])
     assert store.get(["a"], partition, ["x"])["x"].tolist() == [[1.0, 1.0, 1.0]]
     store.clear(["a", "b"], partition)
+    # The clear dropped 'a's row and kept the one the racing put gave 'z' at b's old index: only 'z's clear drops it.
+    held = ray.get(tq_object_store.find_index().locate.remote([index], [wire]))
+    assert held["locations"][wire][0] == [["racing-put", 1]]
+    ray.get(tq_object_store.find_index().clear_owned.remote(partition, ["z"], [index]))
+    assert "missing" in ray.get(tq_object_store.find_index().locate.remote([index], [wire]))
     store.close()
 
 

@@ -285,6 +285,41 @@ def test_the_index_answers_the_latest_put_never_another_keys_row_and_counts_live
     assert index.stats() == {"columns": 0, "rows": 0}
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(_put, _clear), max_size=12),
+    st.sampled_from(PARTITIONS),
+    st.lists(st.tuples(st.sampled_from(INDEXES), st.sampled_from(KEYS)), min_size=1, max_size=6, unique_by=lambda r: r[0]),
+)
+def test_an_owned_clear_drops_only_rows_that_no_other_key_holds(
+    program: list[tuple], partition: str, cleared: list[tuple[int, str]]
+) -> None:
+    """``clear_owned`` drops the rows at each index that its key still holds there (the latest put there named
+    it) or that no known key holds (the latest put there named none, or the key moved elsewhere since), and keeps,
+    untouched, every row that a put has given another key, and every other index's rows."""
+    index, model = RowIndex(), {}
+    owner: dict[int, tuple[str, str] | None] = {}  # global index -> the key its latest put named (None: none)
+    for n, op in enumerate(program):
+        _apply(index, n, op)
+        if op[0] == "clear":
+            model = {at: where for at, where in model.items() if at[0] not in op[1]}
+            owner.update(dict.fromkeys(op[1]))
+            continue
+        _, put_partition, fields, rows, named = op
+        for row, (i, key) in enumerate(rows):
+            if named:  # the key's earlier index is now of no known key (see the by-key law below)
+                owner.update({j: None for j, o in owner.items() if o == (put_partition, key)})
+            owner[i] = (put_partition, key) if named else None
+            model.update({(i, field): (f"col{n}{field}", row) for field in fields})
+    index.clear_owned(partition, [k for _, k in cleared], [i for i, _ in cleared])
+    dropped = {i for i, k in cleared if owner.get(i) in (None, (partition, k))}
+    kept = {at: where for at, where in model.items() if at[0] not in dropped}
+    for (i, field), (column, row) in kept.items():
+        assert index.locate([i], [field])["locations"][field] == [[[column, 1]], [row]]
+    assert all("missing" in index.locate([i], [field]) for i in dropped for field in FIELDS)
+    assert index.stats()["columns"] == len({column for column, _ in kept.values()})
+
+
 def _by_key_cases(put: st.SearchStrategy[tuple], fields: Sequence[str], max_fields: int) -> Any:
     """``@given`` of a program of puts and clears, a partition, some keys and up to ``max_fields`` of ``fields``."""
     return given(
