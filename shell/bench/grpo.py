@@ -229,8 +229,8 @@ OTHER = "other"
 
 def store_call_rows(runs: Sequence[Sequence[dict[str, Any]]], warmup: int) -> list[list[str]]:
     """The store-call table's rows from the data plane's runs of step records with ``data_plane_ms_by_call``: one
-    row per process and operation that some record after ``warmup`` names (a record that does not name it counts
-    0), busiest first, then ``all`` (``data_plane_ms``): the median over the runs of each run's median ms per step,
+    row per process and operation that some record after ``warmup`` spent time in (a record that does not name it
+    counts 0), busiest first, then ``all`` (``data_plane_ms``): the median over the runs of each run's median ms per step,
     and the share of the step (the median over the runs of each run's median ``ms / step_time_s``).
 
     Raises:
@@ -239,7 +239,7 @@ def store_call_rows(runs: Sequence[Sequence[dict[str, Any]]], warmup: int) -> li
     kept = [run[warmup:] for run in runs]
     if not kept or any(not run for run in kept):
         raise ValueError(f"'runs' must hold at least one run, each with a step after the {warmup} warm-up steps")
-    calls = sorted({call for run in kept for r in run for call in r["data_plane_ms_by_call"]})
+    calls = sorted({call for run in kept for r in run for call, ms in r["data_plane_ms_by_call"].items() if ms > 0})
 
     def per_step(value: Any) -> tuple[float, float]:
         ms = statistics.median(statistics.median(value(r) for r in run) for run in kept)
