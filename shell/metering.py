@@ -412,6 +412,21 @@ class MeteredClient:
             self.on_event(DataPlaneEvent(op, partition_id, keys, nbytes, wall_ms))
 
 
+def client_io(client: DataPlaneClient | None) -> dict[str, float]:
+    """The store activity of ``client`` since the last call: ``{"ms", "bytes"}`` and the milliseconds of each
+    operation, ``put_ms``, ``get_ms`` and ``clear_ms`` (zeros unless it is metered).
+
+    A :class:`MeteredClient` reports its ``step_delta()``; any
+    other client reports nothing measured.
+    """
+    delta = getattr(client, "step_delta", None)
+    if delta is None:
+        return {"ms": 0.0, "bytes": 0.0, **{f"{op}_ms": 0.0 for op in OPS}}
+    stats = delta()
+    by_op = {f"{op}_ms": float(stats.ops[op].total_ms) if op in stats.ops else 0.0 for op in OPS}
+    return {"ms": float(stats.total_ms), "bytes": float(stats.total_bytes), **by_op}
+
+
 def _rows_of(fields: TensorDict) -> int | None:
     return fields.batch_size[0] if len(fields.batch_size) else None
 

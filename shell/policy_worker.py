@@ -48,7 +48,7 @@ from core.meta import KVBatchMeta
 from core.model_config import TinyGPTConfig
 from core.step_plan import micro_batch_spans
 from shell.column_io import read_columns, write_columns
-from shell.metering import OPS
+from shell.metering import client_io
 from shell.rank_input import RankInput
 from shell.model_worker import ClientFactory, ModelWorker
 from shell.row_cache import StepRowCache
@@ -121,21 +121,6 @@ def fetch_rank_batch(
     batch = read_columns(client, meta, list(fields), layout=layout)
     batch.set(LENGTHS, torch.tensor(meta.sequence_lengths, dtype=torch.long))
     return batch
-
-
-def client_io(client: DataPlaneClient | None) -> dict[str, float]:
-    """The store activity of ``client`` since the last call: ``{"ms", "bytes"}`` and the milliseconds of each
-    operation, ``put_ms``, ``get_ms`` and ``clear_ms`` (zeros unless it is metered).
-
-    A :class:`shell.metering.MeteredClient` reports its ``step_delta()``; any
-    other client reports nothing measured.
-    """
-    delta = getattr(client, "step_delta", None)
-    if delta is None:
-        return {"ms": 0.0, "bytes": 0.0, **{f"{op}_ms": 0.0 for op in OPS}}
-    stats = delta()
-    by_op = {f"{op}_ms": float(stats.ops[op].total_ms) if op in stats.ops else 0.0 for op in OPS}
-    return {"ms": float(stats.total_ms), "bytes": float(stats.total_bytes), **by_op}
 
 
 def _tensors(batch: TensorDict) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ from core.step_plan import LEGACY_PARTITION
 from core.task import EOS_ID, Prompt, Task
 from shell.column_io import first_write
 from shell.model_worker import ModelWorker
-from shell.policy_worker import client_io
+from shell.metering import client_io
 from shell.run_task import checked_rewards
 from shell.step_rows import StepRows
 from shell.worker import on_all_ranks

@@ -48,7 +48,7 @@ from core.frozen import FrozenDict, freeze
 from core.meta import KVBatchMeta
 from core.sharding import shard_row_indices
 from shell.column_io import clear_stored, read_columns, write_columns
-from shell.metering import OPS, column_bytes
+from shell.metering import OPS, client_io, column_bytes
 from shell.model_worker import ClientFactory
 from shell.rank_input import InlineShard, RankInput, StoreShard
 from shell.step_rows import StepRows
@@ -368,11 +368,7 @@ class DataPlaneTransport:
     def finish(self, rows: StepRows) -> TransportReport:
         self._held = []
         self._clear(list(self._open))
-        delta = getattr(self.client, "step_delta", None)
-        if delta is not None:
-            stats = delta()
-            by_op = {f"{op}_ms": stats.ops[op].total_ms for op in OPS if op in stats.ops}
-            self._add_io({"ms": stats.total_ms, "bytes": stats.total_bytes, **by_op}, "driver")
+        self._add_io(client_io(self.client), "driver")
         io, self._io = self._io, {"ms": 0.0, "bytes": 0.0}
         by_call, self._by_call = self._by_call, {}
         moved, self._bytes = self._bytes, 0
