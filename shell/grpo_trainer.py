@@ -62,7 +62,7 @@ from shell.policy import Policy, PolicyConfig
 from shell.rollout import RolloutConfig
 from shell.ray_cluster import connect as connect_ray
 from shell.run_config import RunConfig, StoreBackend, dump_run_config
-from shell.run_log import MEMORY_KEY, RISING_KEY
+from shell.run_log import MEMORY_ERROR_KEY, MEMORY_KEY, RISING_KEY
 from shell.step_source import NotEnoughGroups, StepInput, StepSource, build_source
 from shell.transport import DataPlaneTransport, LegacyTransport, Transport, TransportReport
 
@@ -567,6 +567,9 @@ class GRPOTrainer:
     def step(self, step: int) -> dict[str, Any]:
         """Run GRPO step ``step``; return its metrics record.
 
+        A failed memory reading (``run.memory_every``) does not fail the step, which has finished: its record
+        then has ``rss_error`` (why) instead of ``rss_mib``, and a process that died fails the next step.
+
         Raises:
             StepError: DAPO found too few varying groups (the step's keys are cleared); or a process of the store
                 died or stopped answering (the message names it, e.g. "the store failed: TransferQueue storage
@@ -576,15 +579,6 @@ class GRPOTrainer:
         """
         try:
             record = self._step(step)
-            every = self.config.run.memory_every
-            if every and step % every == 0:
-                record[MEMORY_KEY] = self.resident_memory()
-                if self.memory_trend is not None:
-                    self.memory_trend = observe(self.memory_trend, step, record[MEMORY_KEY])
-                    growing = rising(self.memory_trend)
-                    if growing:
-                        record[RISING_KEY] = {process: round(slope, 3) for process, slope in growing.items()}
-            return record
         except NotEnoughGroups as error:
             with contextlib.suppress(Exception):
                 self._abort_step()
@@ -599,6 +593,25 @@ class GRPOTrainer:
             with contextlib.suppress(Exception):
                 self._abort_step()
             raise
+        every = self.config.run.memory_every
+        if every and step % every == 0:
+            self._read_memory(step, record)
+        return record
+
+    def _read_memory(self, step: int, record: dict[str, Any]) -> None:
+        """Add the processes' resident memory to ``record`` (and ``rss_rising`` when it grows too fast), or, when the
+        reading fails, ``rss_error``: the step has finished, and a process that died fails the next one."""
+        try:
+            readings = self.resident_memory()
+        except Exception as error:
+            record[MEMORY_ERROR_KEY] = f"{type(error).__name__}: {error}"
+            return
+        record[MEMORY_KEY] = readings
+        if self.memory_trend is not None:
+            self.memory_trend = observe(self.memory_trend, step, readings)
+            growing = rising(self.memory_trend)
+            if growing:
+                record[RISING_KEY] = {process: round(slope, 3) for process, slope in growing.items()}
 
     def _fail_step(self, step: int, error: Exception, failure: StoreFailure | None) -> NoReturn:
         """Clear the failed step's keys (bounded by the store's deadlines), then raise: a ``StepError`` naming the

@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from shell.run_config import ConfigError, ProgressMode, describe_keys, load_run_config, save_run_config
-from shell.run_log import RISING_KEY, MetricsLog, read_metrics
+from shell.run_log import MEMORY_ERROR_KEY, RISING_KEY, MetricsLog, read_metrics
 from shell.run_plot import plot_run
 from shell.run_progress import RunProgress
 from shell.run_stop import EXIT_INTERRUPTED, RunStopper
@@ -168,6 +168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                             warned.update(fresh)
                             message = _rising_warning(step, fresh, config.run.memory_rise_limit, config.run.memory_rise_window)
                             console.print(message, highlight=False)  # above a live bar: rich redirects stderr
+                        if MEMORY_ERROR_KEY in record:
+                            console.print(
+                                f"[yellow]warning:[/] step {step} finished, but its resident-memory reading failed: "
+                                f"{escape(record[MEMORY_ERROR_KEY])}",
+                                highlight=False,
+                            )
                         if every and step % every == 0 and step < total:
                             trainer.save_checkpoint(run_dir, step)
                 trainer.save_checkpoint(run_dir, total)

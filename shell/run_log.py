@@ -40,6 +40,9 @@ STEP_TIME_KEY = "step_time_s"
 REWARD_KEY = "reward_mean"
 MEMORY_KEY = "rss_mib"
 """Every ``run.memory_every`` steps: each process's resident memory in MiB, by process (``GRPOTrainer.resident_memory``)."""
+MEMORY_ERROR_KEY = "rss_error"
+"""On a reading step whose reading failed (a process did not answer, e.g. it died after the step finished), in
+place of ``rss_mib``: why. The step itself finished; its record stands."""
 RISING_KEY = "rss_rising"
 """On a reading step: the processes whose memory grows faster than ``run.memory_rise_limit`` over their last
 ``run.memory_rise_window`` readings, each with its growth in MiB per 100 steps (:func:`core.memory_trend.rising`)."""

@@ -253,7 +253,7 @@ def store_call_rows(runs: Sequence[Sequence[dict[str, Any]]], warmup: int) -> li
 
 
 def _readings(run: Sequence[dict[str, Any]], process: str) -> list[float]:
-    values = [r["rss_mib"].get(process) for r in run]
+    values = [r.get("rss_mib", {}).get(process) for r in run]
     for record, value in zip(run, values):
         if value is None:
             raise RuntimeError(f"no resident memory of {process!r} at step {record['step']}: it did not answer")

@@ -262,6 +262,30 @@ def test_trainer_worker_failure_mid_step_clears_store(tq_store_session: Transfer
         assert trainer.client.list_keys(partition) == ()
 
 
+def test_trainer_step_whose_memory_reading_fails_finishes_with_the_reason_in_its_record(
+    tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A memory reading that fails after a step finished (a process that died then) does not fail the step: its
+    record has ``rss_error`` in place of ``rss_mib``, its keys are cleared, and the next reading is taken again."""
+    config = load_run_config(
+        [*SMALL, f"data_plane.partition={partition}", "policy.layout.data_parallel=1", "run.memory_every=1"]
+    )
+    with GRPOTrainer(config) as trainer:
+        reading = trainer.resident_memory
+
+        def dead() -> dict[str, float | None]:
+            message = f"policy rank 0 failed in 'resident_mib': {FAULT_MESSAGE}"
+            raise WorkerError(message, rank=0, coords={}, method="resident_mib")
+
+        monkeypatch.setattr(trainer, "resident_memory", dead)
+        record = trainer.step(1)
+        assert record["rss_error"] == f"WorkerError: policy rank 0 failed in 'resident_mib': {FAULT_MESSAGE}"
+        assert "rss_mib" not in record and record["store_keys_outstanding"] == 0
+        monkeypatch.setattr(trainer, "resident_memory", reading)
+        record = trainer.step(2)
+        assert "rss_error" not in record and record["rss_mib"]["policy 0"] > 0
+
+
 def test_trainer_refit_keeps_rollout_in_sync(tq_store_session: TransferQueueStore, partition: str) -> None:
     """After a step, the rollout engine's weights equal the policy's (the refit reached it); the start timed its
     parts."""
