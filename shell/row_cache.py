@@ -78,11 +78,12 @@ class StepRowCache:
 
     def split(self, keys: Sequence[str], fields: Sequence[str], pad: int) -> tuple[list[int], list[int]]:
         """Positions in ``keys`` whose every field is cached under ``pad`` (hits), and the others (misses)."""
-        hits, misses = [], []
-        for i, key in enumerate(keys):
-            found = all(self._find(key, name, pad) is not None for name in fields)
-            (hits if found else misses).append(i)
-        return hits, misses
+        held = [True] * len(keys)
+        for name in fields:
+            for i, where in enumerate(self._locate(keys, name, pad)):
+                if where is None:
+                    held[i] = False
+        return [i for i, found in enumerate(held) if found], [i for i, found in enumerate(held) if not found]
 
     def gather(self, keys: Sequence[str], fields: Sequence[str], pad: int) -> dict[str, torch.Tensor]:
         """``fields`` of ``keys`` (all hits), in ``keys`` order.
@@ -96,8 +97,7 @@ class StepRowCache:
         out = {}
         for name in fields:
             picks = []
-            for key in keys:
-                found = self._find(key, name, pad)
+            for key, found in zip(keys, self._locate(keys, name, pad)):
                 if found is None:
                     raise KeyError(f"row {key!r} field {name!r} is not cached at pad length {pad}")
                 picks.append(found)
@@ -109,12 +109,26 @@ class StepRowCache:
                 out[name] = torch.stack([self._blocks[b].columns[name][p] for b, p in picks])
         return out
 
-    def _find(self, key: str, name: str, pad: int) -> tuple[int, int] | None:
+    def _locate(self, keys: Sequence[str], name: str, pad: int) -> list[tuple[int, int] | None]:
+        """Per key, ``(block, row)`` of its latest cached row of ``name`` under ``pad``, or None: one pass over the
+        keys per block that holds the field, newest block first, over only the keys not found yet."""
+        found: list[tuple[int, int] | None] = [None] * len(keys)
+        left = range(len(keys))
         for b in range(len(self._blocks) - 1, -1, -1):  # the latest block wins
             block = self._blocks[b]
-            if block.pad == pad and name in block.columns and key in block.positions:
-                return b, block.positions[key]
-        return None
+            if block.pad != pad or name not in block.columns:
+                continue
+            positions, still = block.positions, []
+            for i in left:
+                row = positions.get(keys[i])
+                if row is None:
+                    still.append(i)
+                else:
+                    found[i] = (b, row)
+            left = still
+            if not left:
+                break
+        return found
 
     def _remember(self, keys: Sequence[str], columns: dict[str, torch.Tensor], pad: int) -> None:
         keys = list(keys)

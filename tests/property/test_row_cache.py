@@ -5,6 +5,8 @@
   gives it (trimmed to its length, zero-padded to the pad length).
 * Keys and pad: a row is found by key in any order, never under another pad length; the latest write wins.
 * Bound: at most ``max_blocks`` blocks are kept.
+* Model: after any sequence of fetches and writes (several blocks, fields and pad lengths), ``split`` and
+  ``gather`` agree with a table of the latest row kept per ``(key, field, pad)`` among the blocks still held.
 """
 
 from __future__ import annotations
@@ -75,3 +77,43 @@ def test_the_same_rows_share_one_block_and_blocks_are_bounded() -> None:
     assert len(cache) == 0
     with pytest.raises(ValueError, match=r"'max_blocks' must be >= 1: got 0"):
         StepRowCache(max_blocks=0)
+
+
+_remember = st.tuples(
+    st.lists(st.sampled_from([f"k{i}" for i in range(6)]), min_size=1, max_size=6, unique=True),
+    st.lists(st.sampled_from(["x", "y"]), min_size=1, max_size=2, unique=True),
+    st.sampled_from([3, 4]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(_remember, min_size=1, max_size=8), asked=st.permutations([f"k{i}" for i in range(6)]))
+def test_split_and_gather_agree_with_a_table_of_the_latest_rows_of_the_blocks_held(
+    ops: list[tuple[list[str], list[str], int]], asked: list[str]
+) -> None:
+    cache = StepRowCache(max_blocks=3)
+    blocks: list[tuple[list[str], dict[str, torch.Tensor], int]] = []  # the model: blocks as the cache keeps them
+    for n, (keys, fields, pad) in enumerate(ops):
+        columns = {name: torch.full((len(keys), pad), float(n * 10 + j)) + torch.arange(len(keys))[:, None]
+                   for j, name in enumerate(fields)}
+        cache.remember_fetched(keys, columns, pad)
+        same = next((b for b in blocks if b[2] == pad and b[0] == keys), None)
+        if same is not None:
+            same[1].update(columns)
+        else:
+            blocks.append((keys, dict(columns), pad))
+            del blocks[:-3]
+    for pad in (3, 4):
+        for fields in (["x"], ["y"], ["x", "y"]):
+            table = {}
+            for keys, columns, block_pad in blocks:  # oldest first: a later block overwrites
+                if block_pad == pad:
+                    for name, column in columns.items():
+                        table.update({(key, name): column[i] for i, key in enumerate(keys)})
+            hits, misses = cache.split(asked, fields, pad)
+            assert hits == [i for i, key in enumerate(asked) if all((key, f) in table for f in fields)]
+            assert misses == [i for i in range(len(asked)) if i not in hits]
+            if hits:
+                got = cache.gather([asked[i] for i in hits], fields, pad)
+                for name in fields:
+                    assert torch.equal(got[name], torch.stack([table[(asked[i], name)] for i in hits]))
