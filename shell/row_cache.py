@@ -113,7 +113,7 @@ class StepRowCache:
         """Per key, ``(block, row)`` of its latest cached row of ``name`` under ``pad``, or None: one pass over the
         keys per block that holds the field, newest block first, over only the keys not found yet."""
         found: list[tuple[int, int] | None] = [None] * len(keys)
-        left = range(len(keys))
+        left: Sequence[int] = range(len(keys))
         for b in range(len(self._blocks) - 1, -1, -1):  # the latest block wins
             block = self._blocks[b]
             if block.pad != pad or name not in block.columns:
