@@ -5,8 +5,9 @@
   gives it (trimmed to its length, zero-padded to the pad length).
 * Keys and pad: a row is found by key in any order, never under another pad length; the latest write wins.
 * Bound: at most ``max_blocks`` blocks are kept.
-* Model: after any sequence of fetches and writes (several blocks, fields and pad lengths), ``split`` and
-  ``gather`` agree with a table of the latest row kept per ``(key, field, pad)`` among the blocks still held.
+* Model: after any sequence of fetched blocks (key lists, fields and pad lengths; a fetch of the same keys and pad
+  adds fields to their block), ``split`` and ``gather`` agree with a table of the latest row kept per
+  ``(key, field, pad)`` among the blocks still held.
 """
 
 from __future__ import annotations
