@@ -33,6 +33,7 @@ import attrs
 
 from core.memory_trend import growth_per_100_steps
 from shell.bench.report import Report
+from shell.run_log import MEMORY_ERROR_KEY, MEMORY_KEY
 
 PARITY_KEYS = ("reward_mean", "loss", "kl", "grad_norm")
 
@@ -253,10 +254,11 @@ def store_call_rows(runs: Sequence[Sequence[dict[str, Any]]], warmup: int) -> li
 
 
 def _readings(run: Sequence[dict[str, Any]], process: str) -> list[float]:
-    values = [r.get("rss_mib", {}).get(process) for r in run]
+    values = [r.get(MEMORY_KEY, {}).get(process) for r in run]
     for record, value in zip(run, values):
         if value is None:
-            raise RuntimeError(f"no resident memory of {process!r} at step {record['step']}: it did not answer")
+            why = record.get(MEMORY_ERROR_KEY, "it did not answer")
+            raise RuntimeError(f"no resident memory of {process!r} at step {record['step']}: {why}")
     return values
 
 
@@ -266,7 +268,7 @@ def resident_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], war
     plane's steps: one process serves both paths)."""
     rows = []
     for path, runs in results.items():
-        processes = [name for name in runs[0][0]["rss_mib"] if name != "driver"]
+        processes = [name for name in runs[0][0][MEMORY_KEY] if name != "driver"]
         if path == "data plane":
             processes.append("driver")
         for process in processes:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from adapters.proc_memory import resident_mib
 from core.memory_trend import growth_per_100_steps
 from shell.bench.grpo import phase_rows, resident_rows, store_call_rows
+from shell.run_log import MEMORY_ERROR_KEY, MEMORY_KEY
 
 
 @given(
@@ -73,6 +74,15 @@ def test_resident_rows_name_a_process_that_did_not_answer() -> None:
     run = _run({"driver": 0.0, "store index": 0.0}, 6, 300.0)
     run[4]["rss_mib"]["store index"] = None
     with pytest.raises(RuntimeError, match=r"no resident memory of 'store index' at step 5"):
+        resident_rows({"data plane": [run]}, 2)
+
+
+def test_resident_rows_give_the_reason_a_record_holds_instead_of_readings() -> None:
+    """A step whose memory reading failed has ``rss_error`` in place of ``rss_mib``: the error quotes that reason."""
+    run = _run({"driver": 0.0, "store index": 0.0}, 6, 300.0)
+    del run[3][MEMORY_KEY]
+    run[3][MEMORY_ERROR_KEY] = "store index: pid 4321 is gone"
+    with pytest.raises(RuntimeError, match=r"'store index' at step 4: store index: pid 4321 is gone"):
         resident_rows({"data plane": [run]}, 2)
 
 
