@@ -262,13 +262,22 @@ def _readings(run: Sequence[dict[str, Any]], process: str) -> list[float]:
     return values
 
 
+def _first_readings(run: Sequence[dict[str, Any]]) -> Mapping[str, Any]:
+    """The first step's readings that the run has (a step whose reading failed has none)."""
+    for record in run:
+        if MEMORY_KEY in record:
+            return record[MEMORY_KEY]
+    why = run[0].get(MEMORY_ERROR_KEY, "its records have none") if run else "it has no steps"
+    raise RuntimeError(f"no resident memory in the run: {why}")
+
+
 def resident_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup: int) -> list[list[str]]:
     """The resident-memory table's rows from each path's runs of step records with ``rss_mib``
     (``GRPOTrainer.resident_memory``): one row per path and process, and one for the driver (read after the data
     plane's steps: one process serves both paths)."""
     rows = []
     for path, runs in results.items():
-        processes = [name for name in runs[0][0][MEMORY_KEY] if name != "driver"]
+        processes = [name for name in _first_readings(runs[0]) if name != "driver"]
         if path == "data plane":
             processes.append("driver")
         for process in processes:

@@ -86,6 +86,19 @@ def test_resident_rows_give_the_reason_a_record_holds_instead_of_readings() -> N
         resident_rows({"data plane": [run]}, 2)
 
 
+def test_resident_rows_take_the_processes_from_the_first_step_with_readings() -> None:
+    """A first step without readings does not hide the processes: they come from the first step that has them, and
+    that step's failure is still reported (naming the step)."""
+    run = _run({"driver": 0.0, "store index": 0.0}, 6, 300.0)
+    del run[0][MEMORY_KEY]
+    run[0][MEMORY_ERROR_KEY] = "store index: timed out"
+    assert [r[1] for r in resident_rows({"data plane": [run]}, 1)] == ["store index", "driver"]
+    with pytest.raises(RuntimeError, match=r"'store index' at step 1: store index: timed out"):
+        resident_rows({"data plane": [run]}, 0)
+    with pytest.raises(RuntimeError, match=r"no resident memory in the run: store index: timed out"):
+        resident_rows({"data plane": [run[:1]]}, 0)
+
+
 def test_resident_mib_reads_this_node_and_names_a_gone_process() -> None:
     """This process's reading is its own; a child that allocated 64 MiB reads at least that; a process that has
     exited raises ``ProcessLookupError`` naming its pid."""
