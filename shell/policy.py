@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, get_args
 
 import attrs
+import ray
 import torch
 
 from core.fields import GLOBAL_FORWARD_PAD_SEQLEN, INPUT_IDS, PREV_LOGPROBS, REFERENCE_LOGPROBS
@@ -39,6 +40,10 @@ from shell.transport import Transport
 from shell.config_schema import NodePlacement
 from shell.node_placement import rank_options
 from shell.worker_group import WorkerGroup
+
+
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+"""Where a policy's ranks can run (:attr:`PolicyConfig.device`)."""
 
 
 def _optional(cls: type) -> Any:
@@ -66,10 +71,14 @@ class PolicyConfig:
         placement: ``"pack"`` (Ray's default) or ``"spread"`` (rank ``i`` on eligible node ``i mod n``),
             see :mod:`shell.node_placement`.
         worker_resource: a custom node resource every rank needs (None: any node).
+        device: where each rank runs megatron-core: ``"cpu"`` (gloo, the CPU shim in the rank's process) or
+            ``"cuda"`` (one GPU per rank, Ray's ``num_gpus=1``, NCCL, megatron-core unpatched). Either way what the
+            driver and the store exchange with the ranks is CPU tensors: the transports see no device.
 
     Raises:
         TypeError: a field has the wrong type.
-        ValueError: the batching settings are inconsistent (see :class:`core.step_plan.StepLayout`).
+        ValueError: the batching settings are inconsistent (see :class:`core.step_plan.StepLayout`), or
+            ``device`` is not ``"cpu"`` or ``"cuda"``.
     """
 
     sharding: NamedSharding = attrs.field(validator=attrs.validators.instance_of(NamedSharding))
@@ -86,6 +95,7 @@ class PolicyConfig:
     timeout_s: float = 600.0
     placement: str = attrs.field(default="pack", validator=attrs.validators.in_(("pack", "spread")))
     worker_resource: str | None = attrs.field(default=None, validator=_optional(str))
+    device: str = attrs.field(default="cpu", validator=attrs.validators.in_(DEVICES))
     layout: StepLayout = attrs.field(init=False)
 
     @layout.default
@@ -111,7 +121,13 @@ class PolicyConfig:
             learning_rate=self.learning_rate,
             fetch_policy=self.fetch_policy,
             router_replay=self.router_replay,
+            device=self.device,
         )
+
+    @property
+    def num_gpus_per_worker(self) -> float:
+        """Ray GPUs per rank: 1 on ``"cuda"``, else 0."""
+        return 1.0 if self.device == "cuda" else 0.0
 
 
 def build_group(
@@ -119,16 +135,23 @@ def build_group(
 ) -> WorkerGroup:
     """Start one ``worker_cls`` actor per rank of ``config.sharding`` and build every backend (and store client).
 
+    On ``config.device == "cuda"`` every rank takes one GPU and the group joins over NCCL; the cluster must have
+    a GPU per rank (checked first: Ray would otherwise wait for GPUs that never come).
+
     Raises:
         RuntimeError: Ray is not initialised.
+        ValueError: ``device`` is ``"cuda"`` and the cluster has fewer GPUs than ranks.
         WorkerError: a rank failed to start or to build its backend.
     """
+    if config.device == "cuda":
+        _check_gpus(config.sharding.world_size)
     group = WorkerGroup(
         worker_cls,
         config.sharding,
         init_args=(config.worker_config(), client_factory),
-        backend="gloo",
+        backend="nccl" if config.device == "cuda" else "gloo",
         num_cpus_per_worker=config.num_cpus_per_worker,
+        num_gpus_per_worker=config.num_gpus_per_worker,
         timeout_s=config.timeout_s,
         pg_timeout_s=config.timeout_s,
         role="policy",
@@ -140,6 +163,18 @@ def build_group(
         group.shutdown()
         raise
     return group
+
+
+def _check_gpus(ranks: int) -> None:
+    """Raise unless the Ray cluster has a GPU for each of ``ranks`` ranks."""
+    if not ray.is_initialized():
+        raise RuntimeError("Ray is not initialised: call ray.init(...) before building a WorkerGroup")
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    if gpus < ranks:
+        raise ValueError(
+            f"'device' is 'cuda': the policy's {ranks} ranks need {ranks} GPUs (one each), the Ray cluster has "
+            f"{gpus:g}; use device='cpu', or fewer ranks"
+        )
 
 
 def _check_prepared(rows: StepRows) -> None:

@@ -28,12 +28,19 @@ def main(argv: list[str] | None = None) -> int:
     dataplane.add_argument("--markdown", action="store_true", help="print Markdown tables")
     policy = sub.add_parser("policy", help="bytes through the driver and wall time: legacy vs data-plane policy")
     policy.add_argument("--repeats", type=int, default=3, help="timed calls per path (default 3)")
-    policy.add_argument("--rows", type=int, default=256, help="ragged rows in the batch (default 256, even)")
+    policy.add_argument(
+        "--rows", type=int, default=256, help="ragged rows in the batch (default 256; a multiple of 2 * --dp)"
+    )
     policy.add_argument(
         "--lengths", choices=("lognormal", "short"), default="lognormal",
         help="row lengths: lognormal (median 700, issue 13's realistic rows; the default) or short (uniform 8..64, quick)",
     )
     policy.add_argument("--max-len", type=int, default=1024, help="longest lognormal row (default 1024)")
+    policy.add_argument("--dp", type=int, default=2, help="data-parallel ranks (default 2)")
+    policy.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="where the ranks run megatron-core: cpu (gloo; the default) or cuda (a GPU per rank, NCCL)",
+    )
     policy.add_argument("--markdown", action="store_true", help="print Markdown tables")
     grpo = sub.add_parser("grpo", help="GRPO step time and driver bytes: data-plane vs legacy path, with parity")
     grpo.add_argument("--steps", type=int, default=20, help="steps per run (default 20)")
@@ -142,7 +149,19 @@ def main(argv: list[str] | None = None) -> int:
         from shell.bench.policy import PolicyBenchConfig
         from shell.bench.policy import run as run_policy
 
-        run_policy(PolicyBenchConfig(rows=args.rows, repeats=args.repeats, lengths=args.lengths, max_len=args.max_len), report)
+        try:
+            cfg = PolicyBenchConfig(
+                rows=args.rows, repeats=args.repeats, lengths=args.lengths, max_len=args.max_len, dp=args.dp,
+                device=args.device,
+            )
+        except ValueError as error:
+            parser.error(str(error))
+        if cfg.device == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < cfg.dp:
+                parser.error(f"--device cuda needs a GPU per rank: --dp {cfg.dp}, torch sees {torch.cuda.device_count()}")
+        run_policy(cfg, report)
     elif args.name == "grpo":
         from shell.bench.grpo import GrpoBenchConfig
         from shell.bench.grpo import run as run_grpo

@@ -5,8 +5,10 @@ rows): ``rows`` (default 256) rows of lognormal lengths (median 700 tokens,
 clipped to ``16..max_len``, default 1024; the scale sweep's rows,
 :func:`shell.bench.scale.sweep_batch`) on the sweep's tiny GPT with dynamic
 batching; ``"short"``: lengths uniform in 8..64 on the default tiny GPT (a
-quick run). Either way a DP=2 group of megatron workers on CPU (gloo), one
-GRPO train call of two optimizer steps. The same :class:`shell.policy.Policy`
+quick run). Either way a group of ``dp`` megatron workers (default 2), on CPU
+over gloo (the default) or with ``device="cuda"`` one GPU each over NCCL
+(:attr:`shell.policy.PolicyConfig.device`), and one GRPO train call of two
+optimizer steps. The same :class:`shell.policy.Policy`
 runs over :class:`shell.transport.LegacyTransport` ("legacy": the rows travel
 through the driver) and :class:`shell.transport.DataPlaneTransport` ("data
 plane": the ranks fetch them from TransferQueue); both drive the same group.
@@ -40,7 +42,7 @@ from shell.bench.cluster import bench_cluster
 from shell.bench.report import Report
 from shell.column_io import first_write
 from shell.loss import GRPOLoss
-from shell.policy import Policy, PolicyConfig, build_group
+from shell.policy import DEVICES, Policy, PolicyConfig, build_group
 from shell.step_rows import StepRows
 from shell.transport import DataPlaneTransport, LegacyTransport
 from shell.worker import dispatch_of
@@ -54,17 +56,25 @@ WORKLOADS = ("lognormal", "short")
 @attrs.frozen
 class PolicyBenchConfig:
     """What the policy benchmark runs: ``rows`` rows of ``lengths`` (see :data:`WORKLOADS`; ``"lognormal"`` rows
-    are clipped to ``max_len``), ``repeats`` timed calls per path."""
+    are clipped to ``max_len``), ``repeats`` timed calls per path, on ``dp`` ranks on ``device`` (see
+    :data:`shell.policy.DEVICES`; ``"cuda"``: a GPU per rank)."""
 
     rows: int = 256
     repeats: int = 3
     seed: int = 0
     lengths: str = attrs.field(default="lognormal", validator=attrs.validators.in_(WORKLOADS))
     max_len: int = 1024
+    dp: int = 2
+    device: str = attrs.field(default="cpu", validator=attrs.validators.in_(DEVICES))
 
     def __attrs_post_init__(self) -> None:
-        if check_int("rows", self.rows, minimum=2) % 2:
-            raise ValueError(f"'rows' must be even (one half per DP rank): got {self.rows}")
+        check_int("dp", self.dp, minimum=1)
+        # A train call makes two optimizer steps of rows // 2 rows each, split evenly over the DP ranks.
+        if check_int("rows", self.rows, minimum=2) % (2 * self.dp):
+            raise ValueError(
+                f"'rows' must be a multiple of 2 * dp = {2 * self.dp} (two optimizer steps, each split over {self.dp} "
+                f"DP ranks): got {self.rows}"
+            )
         check_int("repeats", self.repeats, minimum=1)
         check_int("max_len", self.max_len, minimum=16)
 
@@ -122,22 +132,22 @@ def workload(cfg: PolicyBenchConfig) -> TensorDict:
 
 
 def policy_config(cfg: PolicyBenchConfig) -> PolicyConfig:
-    """The policy both paths run: DP=2; for ``"lognormal"`` rows, the scale sweep's tiny GPT (positions up to
-    ``max_len``) with dynamic batching, as ``shell.bench scale`` runs them."""
+    """The policy both paths run: ``cfg.dp`` ranks on ``cfg.device``; for ``"lognormal"`` rows, the scale sweep's
+    tiny GPT (positions up to ``max_len``) with dynamic batching, as ``shell.bench scale`` runs them."""
+    sharding = NamedSharding({"data_parallel": cfg.dp})
     if cfg.lengths == "short":
-        return PolicyConfig(
-            sharding=NamedSharding({"data_parallel": 2}), seed=cfg.seed, train_global_batch_size=cfg.rows // 2
-        )
+        return PolicyConfig(sharding=sharding, seed=cfg.seed, train_global_batch_size=cfg.rows // 2, device=cfg.device)
     from core.micro_batch import DynamicBatchingSpec
     from core.model_config import TinyGPTConfig
     from shell.bench.scale import SWEEP_MODEL
 
     return PolicyConfig(
-        sharding=NamedSharding({"data_parallel": 2}),
+        sharding=sharding,
         model=TinyGPTConfig(**SWEEP_MODEL, max_sequence_length=cfg.max_len),
         seed=cfg.seed,
         train_global_batch_size=cfg.rows // 2,
         dynamic_batching=DynamicBatchingSpec(max_tokens_per_microbatch=2 * cfg.max_len, sequence_length_round=64),
+        device=cfg.device,
     )
 
 
@@ -146,6 +156,11 @@ def describe_workload(cfg: PolicyBenchConfig) -> str:
     if cfg.lengths == "short":
         return f"{cfg.rows} rows, lengths uniform in 8..64"
     return f"{cfg.rows} rows, lognormal lengths (median 700, <= {cfg.max_len})"
+
+
+def describe_ranks(cfg: PolicyBenchConfig) -> str:
+    """How the tables name the ranks: ``"DP=2"`` on CPU, ``"DP=1 on cuda"`` on GPUs."""
+    return f"DP={cfg.dp}" if cfg.device == "cpu" else f"DP={cfg.dp} on {cfg.device}"
 
 
 def _measure(
@@ -235,7 +250,7 @@ def run(cfg: PolicyBenchConfig, report: Report) -> None:
             f"{statistics.median(paired):.2f}x ({min(paired):.2f}-{max(paired):.2f})",
         ])
     report.table(
-        f"Driver bytes and wall time per call ({describe_workload(cfg)}, DP=2; time: median of {cfg.repeats} calls, "
+        f"Driver bytes and wall time per call ({describe_workload(cfg)}, {describe_ranks(cfg)}; time: median of {cfg.repeats} calls, "
         f"ratio: median and range of {cfg.repeats} paired repeats, order alternated)",
         ["call", "path", "bytes sent", "bytes returned", "bytes total", "wall ms"],
         table,

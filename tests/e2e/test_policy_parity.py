@@ -304,3 +304,23 @@ def test_policy_rejects_an_unprepared_step(group: WorkerGroup, client: DataPlane
     finally:
         transport.finish(StepRows(meta))
     assert not set(meta.keys) & set(client.list_keys(meta.partition_id))
+
+
+def test_build_group_refuses_cuda_ranks_without_a_gpu_each(ray_cluster: None) -> None:
+    """``device="cuda"`` on a cluster with fewer GPUs than ranks fails at once, naming both counts (Ray would
+    otherwise wait for GPUs that never come, up to the group's setup timeout); the ranks' config carries the device."""
+    import time
+
+    import ray
+
+    config = PolicyConfig(sharding=NamedSharding({"data_parallel": 2}), model=MODEL, device="cuda")
+    assert config.worker_config().device == "cuda" and config.num_gpus_per_worker == 1.0
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    if gpus >= 2:
+        pytest.skip(f"this Ray cluster has {gpus:g} GPUs: the refusal needs fewer than 2")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"the policy's 2 ranks need 2 GPUs \(one each\), the Ray cluster has {gpus:g}"):
+        build_group(config)
+    assert time.monotonic() - start < 5.0
+    with pytest.raises(ValueError, match=r"'device' must be in"):
+        PolicyConfig(sharding=NamedSharding({"data_parallel": 2}), device="tpu")

@@ -1,4 +1,5 @@
-"""Laws of the policy bench's workload: pure in its config, rows within their bounds, the mask inside each row."""
+"""Laws of the policy bench's workload (pure in its config, rows within their bounds, the mask inside each row) and of
+its config (every config it accepts builds a policy; what cannot run is refused naming the field)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shell.bench.policy import PolicyBenchConfig, describe_workload, workload
+from shell.bench.policy import PolicyBenchConfig, describe_ranks, describe_workload, policy_config, workload
 
 
 @settings(max_examples=25, deadline=None)
 @given(
-    rows=st.integers(1, 40).map(lambda n: 2 * n),
+    rows=st.integers(1, 20).map(lambda n: 4 * n),
     seed=st.integers(0, 2**31 - 1),
     lengths=st.sampled_from(["lognormal", "short"]),
     max_len=st.integers(16, 2048),
@@ -41,8 +42,12 @@ def test_lognormal_rows_have_the_issues_median() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"rows": 3}, r"'rows' must be even \(one half per DP rank\): got 3"),
+        ({"rows": 3}, r"'rows' must be a multiple of 2 \* dp = 4 \(two optimizer steps, each split over 2 DP ranks\): got 3"),
+        ({"rows": 6}, r"'rows' must be a multiple of 2 \* dp = 4 .*: got 6"),
+        ({"rows": 8, "dp": 3}, r"'rows' must be a multiple of 2 \* dp = 6 .*: got 8"),
         ({"rows": 0}, r"'rows' must be >= 2: got 0"),
+        ({"dp": 0}, r"'dp' must be >= 1: got 0"),
+        ({"device": "tpu"}, r"'device' must be in"),
         ({"repeats": 0}, r"'repeats' must be >= 1: got 0"),
         ({"max_len": 8}, r"'max_len' must be >= 16: got 8"),
         ({"lengths": "uniform"}, r"'lengths' must be in"),
@@ -51,3 +56,37 @@ def test_lognormal_rows_have_the_issues_median() -> None:
 def test_config_rejects_what_cannot_run(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         PolicyBenchConfig(**kwargs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dp=st.integers(1, 4),
+    steps=st.integers(1, 8),
+    lengths=st.sampled_from(["lognormal", "short"]),
+    device=st.sampled_from(["cpu", "cuda"]),
+)
+def test_every_accepted_config_builds_its_policy(dp: int, steps: int, lengths: str, device: str) -> None:
+    """A config the bench accepts gives a policy of its DP size and device whose two optimizer steps split evenly."""
+    cfg = PolicyBenchConfig(rows=2 * dp * steps, dp=dp, lengths=lengths, device=device)
+    policy = policy_config(cfg)
+    assert policy.sharding.world_size == dp and policy.device == device
+    assert policy.worker_config().device == device
+    assert policy.num_gpus_per_worker == (1.0 if device == "cuda" else 0.0)
+    assert policy.layout.train_global_batch_size * 2 == cfg.rows
+    assert describe_ranks(cfg) == (f"DP={dp}" if device == "cpu" else f"DP={dp} on cuda")
+
+
+def test_cli_refuses_what_cannot_run_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    """A config error, or ``--device cuda`` with fewer GPUs than ranks, is a usage error (exit 2) naming the problem,
+    raised before any cluster starts."""
+    from shell.bench.__main__ import main as bench_main
+
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(["policy", "--rows", "6"])
+    assert exit_.value.code == 2
+    assert "'rows' must be a multiple of 2 * dp = 4" in capsys.readouterr().err
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(SystemExit) as exit_:
+            bench_main(["policy", "--device", "cuda", "--dp", "2"])
+        assert exit_.value.code == 2
+        assert f"--device cuda needs a GPU per rank: --dp 2, torch sees {torch.cuda.device_count()}" in capsys.readouterr().err
