@@ -24,7 +24,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, get_args
 
 import attrs
-import ray
 import torch
 
 from core.fields import GLOBAL_FORWARD_PAD_SEQLEN, INPUT_IDS, PREV_LOGPROBS, REFERENCE_LOGPROBS
@@ -136,15 +135,13 @@ def build_group(
     """Start one ``worker_cls`` actor per rank of ``config.sharding`` and build every backend (and store client).
 
     On ``config.device == "cuda"`` every rank takes one GPU and the group joins over NCCL; the cluster must have
-    a GPU per rank (checked first: Ray would otherwise wait for GPUs that never come).
+    a GPU per rank (the group checks it before any actor starts).
 
     Raises:
         RuntimeError: Ray is not initialised.
         ValueError: ``device`` is ``"cuda"`` and the cluster has fewer GPUs than ranks.
         WorkerError: a rank failed to start or to build its backend.
     """
-    if config.device == "cuda":
-        _check_gpus(config.sharding.world_size)
     group = WorkerGroup(
         worker_cls,
         config.sharding,
@@ -163,18 +160,6 @@ def build_group(
         group.shutdown()
         raise
     return group
-
-
-def _check_gpus(ranks: int) -> None:
-    """Raise unless the Ray cluster has a GPU for each of ``ranks`` ranks."""
-    if not ray.is_initialized():
-        raise RuntimeError("Ray is not initialised: call ray.init(...) before building a WorkerGroup")
-    gpus = ray.cluster_resources().get("GPU", 0.0)
-    if gpus < ranks:
-        raise ValueError(
-            f"'device' is 'cuda': the policy's {ranks} ranks need {ranks} GPUs (one each), the Ray cluster has "
-            f"{gpus:g}; use device='cpu', or fewer ranks"
-        )
 
 
 def _check_prepared(rows: StepRows) -> None:

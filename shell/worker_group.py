@@ -123,6 +123,18 @@ def _resolve_backend(backend: Any, num_gpus_per_worker: float) -> ResolvedBacken
     return backend
 
 
+def _check_gpus(per_worker: float, ranks: int) -> None:
+    """Raise unless the Ray cluster has ``per_worker`` GPUs for each of ``ranks`` ranks."""
+    if per_worker <= 0:
+        return
+    have, need = ray.cluster_resources().get("GPU", 0.0), per_worker * ranks
+    if have < need:
+        raise ValueError(
+            f"'num_gpus_per_worker' is {per_worker:g}: the group's {ranks} ranks need {need:g} GPUs, the Ray cluster "
+            f"has {have:g}; give the cluster GPUs, or build a CPU group (num_gpus_per_worker=0)"
+        )
+
+
 class WorkerGroup:
     """One Ray actor of ``worker_cls`` per rank of ``sharding``, joined in one process group.
 
@@ -152,7 +164,8 @@ class WorkerGroup:
     Raises:
         TypeError: ``worker_cls`` is not a ``Worker`` subclass, ``sharding`` is
             not a ``NamedSharding``, an amount is not a number, or ``role`` is not a str.
-        ValueError: an unknown backend, NCCL without GPUs, or a negative amount.
+        ValueError: an unknown backend, NCCL without GPUs, a negative amount, or fewer GPUs in the Ray cluster than
+            the ranks ask for (checked before any actor starts: Ray would wait for them until ``setup_timeout_s``).
         RuntimeError: Ray is not initialised.
         WorkerError: an actor failed to start or to join the process group.
 
@@ -218,6 +231,7 @@ class WorkerGroup:
             raise TypeError(f"'role' must be a str: got {type(role).__name__}")
         if not ray.is_initialized():
             raise RuntimeError("Ray is not initialised: call ray.init(...) before building a WorkerGroup")
+        _check_gpus(num_gpus, sharding.world_size)
         self._role = role
 
         self._worker_cls = cls

@@ -319,7 +319,7 @@ def test_build_group_refuses_cuda_ranks_without_a_gpu_each(ray_cluster: None) ->
     if gpus >= 2:
         pytest.skip(f"this Ray cluster has {gpus:g} GPUs: the refusal needs fewer than 2")
     start = time.monotonic()
-    with pytest.raises(ValueError, match=rf"the policy's 2 ranks need 2 GPUs \(one each\), the Ray cluster has {gpus:g}"):
+    with pytest.raises(ValueError, match=rf"the group's 2 ranks need 2 GPUs, the Ray cluster has {gpus:g}"):
         build_group(config)
     assert time.monotonic() - start < 5.0
     with pytest.raises(ValueError, match=r"'device' must be in"):

@@ -467,6 +467,16 @@ def test_worker_group_rejects_non_worker_class() -> None:
         WorkerGroup(ProbeWorker, sharding, role=1)  # type: ignore[arg-type]
 
 
+def test_worker_group_refuses_more_gpus_than_the_cluster_has(ray_cluster: None) -> None:
+    """A group asking for more GPUs than the Ray cluster has fails at once naming both counts, instead of waiting
+    for GPUs until its setup timeout."""
+    have = ray.cluster_resources().get("GPU", 0.0)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"the group's 2 ranks need {2 * (have + 1):g} GPUs, the Ray cluster has {have:g}"):
+        WorkerGroup(ProbeWorker, NamedSharding({"data_parallel": 2}), num_gpus_per_worker=have + 1, setup_timeout_s=60)
+    assert time.monotonic() - start < 5.0
+
+
 def test_worker_group_rank_options_place_each_rank(ray_cluster: None) -> None:
     """Each rank gets its own extra Ray options: pinned by node affinity (``spread``) to the session's one
     node, every rank reports that node."""
