@@ -38,7 +38,6 @@ from rich.markup import escape
 
 from shell.run_config import ConfigError, ProgressMode, describe_keys, load_run_config, save_run_config
 from shell.run_log import MEMORY_ERROR_KEY, RISING_KEY, MetricsLog, read_metrics
-from shell.run_plot import plot_run
 from shell.run_progress import RunProgress
 from shell.run_stop import EXIT_INTERRUPTED, RunStopper
 
@@ -226,6 +225,7 @@ def _summary(error: BaseException) -> str:
 
 def _plot(run_dir: Path, console: Console) -> None:
     from shell.run_dir import METRICS_FILE, PLOT_FILE
+    from shell.run_plot import plot_run  # matplotlib loads here, once the run is over: half a second off every start
 
     metrics = run_dir / METRICS_FILE
     if not metrics.exists():

@@ -326,3 +326,13 @@ def test_read_checkpoint_checks_its_fields(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=rf"config key '--resume': .*{re.escape(words)}"):
             read_checkpoint(str(tmp_path / "c.pt"))
     assert read_checkpoint(str(_checkpoint(tmp_path / "ok")))["step"] == 3
+
+
+def test_importing_the_run_command_leaves_matplotlib_for_the_plot() -> None:
+    """``shell.run`` loads matplotlib only to plot a finished run: every start and ``--help`` skip its import."""
+    import subprocess
+    import sys
+
+    code = "import json, sys, shell.run\nprint(json.dumps('matplotlib' in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) is False
