@@ -38,7 +38,7 @@ from shell.step_rows import StepRows
 from shell.transport import Transport
 from shell.config_schema import NodePlacement
 from shell.node_placement import rank_options
-from shell.worker_group import WorkerGroup
+from shell.worker_group import GPUShortageError, WorkerGroup
 
 
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
@@ -142,18 +142,24 @@ def build_group(
         ValueError: ``device`` is ``"cuda"`` and the cluster has fewer GPUs than ranks.
         WorkerError: a rank failed to start or to build its backend.
     """
-    group = WorkerGroup(
-        worker_cls,
-        config.sharding,
-        init_args=(config.worker_config(), client_factory),
-        backend="nccl" if config.device == "cuda" else "gloo",
-        num_cpus_per_worker=config.num_cpus_per_worker,
-        num_gpus_per_worker=config.num_gpus_per_worker,
-        timeout_s=config.timeout_s,
-        pg_timeout_s=config.timeout_s,
-        role="policy",
-        rank_options=rank_options(NodePlacement(config.placement), config.worker_resource, config.sharding.world_size),
-    )
+    try:
+        group = WorkerGroup(
+            worker_cls,
+            config.sharding,
+            init_args=(config.worker_config(), client_factory),
+            backend="nccl" if config.device == "cuda" else "gloo",
+            num_cpus_per_worker=config.num_cpus_per_worker,
+            num_gpus_per_worker=config.num_gpus_per_worker,
+            timeout_s=config.timeout_s,
+            pg_timeout_s=config.timeout_s,
+            role="policy",
+            rank_options=rank_options(NodePlacement(config.placement), config.worker_resource, config.sharding.world_size),
+        )
+    except GPUShortageError as error:  # name the policy's own setting, not the group's
+        raise ValueError(
+            f"'device' is 'cuda': the policy's {error.ranks} ranks need {error.need:g} GPUs (one each), the Ray "
+            f"cluster has {error.have:g}; give the cluster GPUs, or use device='cpu'"
+        ) from error
     try:
         group.call(PolicyWorker.setup)
     except BaseException:

@@ -47,7 +47,7 @@ from core.topology import NamedSharding, Rank
 from shell.worker import ResolvedBackend, Worker, dispatch_of
 from shell.worker_errors import WorkerError, WorkerTimeoutError, failure_error, format_coords
 
-__all__ = ["Backend", "WorkerError", "WorkerGroup", "WorkerTimeoutError"]
+__all__ = ["Backend", "GPUShortageError", "WorkerError", "WorkerGroup", "WorkerTimeoutError", "gpus_needed"]
 
 Backend = Literal["gloo", "nccl", "auto"]
 ObjectRefs = list[ray.ObjectRef]
@@ -123,16 +123,56 @@ def _resolve_backend(backend: Any, num_gpus_per_worker: float) -> ResolvedBacken
     return backend
 
 
-def _check_gpus(per_worker: float, ranks: int) -> None:
-    """Raise unless the Ray cluster has ``per_worker`` GPUs for each of ``ranks`` ranks."""
-    if per_worker <= 0:
-        return
-    have, need = ray.cluster_resources().get("GPU", 0.0), per_worker * ranks
-    if have < need:
-        raise ValueError(
+class GPUShortageError(ValueError):
+    """A group's ranks ask for more GPUs than the Ray cluster has; raised before any of its actors starts.
+
+    Attributes:
+        ranks: the group's ranks.
+        per_worker: the GPUs each rank asks for (``num_gpus_per_worker``).
+        need: the GPUs the ranks take together (:func:`gpus_needed`).
+        have: the GPUs the Ray cluster has, on all its nodes.
+    """
+
+    def __init__(self, ranks: int, per_worker: float, need: float, have: float) -> None:
+        self.ranks, self.per_worker, self.need, self.have = ranks, per_worker, need, have
+        super().__init__(
             f"'num_gpus_per_worker' is {per_worker:g}: the group's {ranks} ranks need {need:g} GPUs, the Ray cluster "
             f"has {have:g}; give the cluster GPUs, or build a CPU group (num_gpus_per_worker=0)"
         )
+
+
+def gpus_needed(per_worker: float, ranks: int) -> float:
+    """The GPUs ``ranks`` actors of ``per_worker`` GPUs each take on a Ray cluster.
+
+    Ray gives each actor its GPUs from one device when it asks for less than
+    one, so ``floor(1 / per_worker)`` such actors share a device and the rest of
+    it stays free: 3 ranks of 0.6 take 3 GPUs, not 1.8. From one GPU up, each
+    actor takes its own whole devices.
+
+    Example:
+        >>> gpus_needed(0.5, 3), gpus_needed(0.6, 3), gpus_needed(1, 3), gpus_needed(0, 3)
+        (2.0, 3.0, 3.0, 0.0)
+    """
+    if per_worker <= 0 or ranks <= 0:
+        return 0.0
+    if per_worker >= 1:
+        return float(per_worker * ranks)
+    per_device = math.floor(1.0 / per_worker + 1e-9)
+    return float(math.ceil(ranks / per_device))
+
+
+def _check_gpus(per_worker: float, ranks: int) -> None:
+    """Raise :class:`GPUShortageError` unless the Ray cluster has the GPUs ``ranks`` ranks of ``per_worker`` take.
+
+    It counts every GPU of the cluster: a group that passes can still wait for its placement (GPUs other actors
+    hold, ``rank_options`` that pin a rank to a node without one) up to ``setup_timeout_s``.
+    """
+    need = gpus_needed(per_worker, ranks)
+    if need <= 0:
+        return
+    have = ray.cluster_resources().get("GPU", 0.0)
+    if have < need:
+        raise GPUShortageError(ranks, per_worker, need, have)
 
 
 class WorkerGroup:
@@ -164,8 +204,10 @@ class WorkerGroup:
     Raises:
         TypeError: ``worker_cls`` is not a ``Worker`` subclass, ``sharding`` is
             not a ``NamedSharding``, an amount is not a number, or ``role`` is not a str.
-        ValueError: an unknown backend, NCCL without GPUs, a negative amount, or fewer GPUs in the Ray cluster than
-            the ranks ask for (checked before any actor starts: Ray would wait for them until ``setup_timeout_s``).
+        ValueError: an unknown backend, NCCL without GPUs, or a negative amount.
+        GPUShortageError: (a ``ValueError``) the Ray cluster has fewer GPUs than the ranks take
+            (:func:`gpus_needed`), checked before any actor starts: Ray would wait for them until
+            ``setup_timeout_s``.
         RuntimeError: Ray is not initialised.
         WorkerError: an actor failed to start or to join the process group.
 

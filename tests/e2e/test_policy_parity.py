@@ -39,6 +39,7 @@ from shell.column_io import first_write
 from shell.loss import GRPOLoss
 from shell.policy import Policy, PolicyConfig, build_group
 from shell.policy_worker import PolicyWorker
+from shell.worker_group import GPUShortageError
 from shell.step_rows import StepRows
 from shell.transport import DataPlaneTransport, LegacyTransport
 from shell.worker import on_all_ranks
@@ -319,8 +320,11 @@ def test_build_group_refuses_cuda_ranks_without_a_gpu_each(ray_cluster: None) ->
     if gpus >= 2:
         pytest.skip(f"this Ray cluster has {gpus:g} GPUs: the refusal needs fewer than 2")
     start = time.monotonic()
-    with pytest.raises(ValueError, match=rf"the group's 2 ranks need 2 GPUs, the Ray cluster has {gpus:g}"):
+    with pytest.raises(
+        ValueError, match=rf"^'device' is 'cuda': the policy's 2 ranks need 2 GPUs \(one each\), the Ray cluster has {gpus:g};"
+    ) as raised:
         build_group(config)
+    assert isinstance(raised.value.__cause__, GPUShortageError)
     assert time.monotonic() - start < 5.0
     with pytest.raises(ValueError, match=r"'device' must be in"):
         PolicyConfig(sharding=NamedSharding({"data_parallel": 2}), device="tpu")

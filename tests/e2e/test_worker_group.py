@@ -27,7 +27,7 @@ from core.codec import is_jagged, to_jagged
 from core.topology import NamedSharding
 from shell.broadcast import broadcast_tensors, describe
 from shell.worker import Worker, dispatch_of, on_all_ranks, sharded
-from shell.worker_group import WorkerError, WorkerGroup, WorkerTimeoutError
+from shell.worker_group import GPUShortageError, WorkerError, WorkerGroup, WorkerTimeoutError
 
 pytestmark = pytest.mark.e2e
 
@@ -467,13 +467,21 @@ def test_worker_group_rejects_non_worker_class() -> None:
         WorkerGroup(ProbeWorker, sharding, role=1)  # type: ignore[arg-type]
 
 
-def test_worker_group_refuses_more_gpus_than_the_cluster_has(ray_cluster: None) -> None:
+@pytest.mark.parametrize("per_rank", ["whole", 0.6, 0.5])
+def test_worker_group_refuses_more_gpus_than_the_cluster_has(ray_cluster: None, per_rank: Any) -> None:
     """A group asking for more GPUs than the Ray cluster has fails at once naming both counts, instead of waiting
-    for GPUs until its setup timeout."""
+    for GPUs until its setup timeout; ranks of less than a GPU count as Ray places them (two of 0.6 take two GPUs,
+    two of 0.5 one)."""
     have = ray.cluster_resources().get("GPU", 0.0)
+    per_worker = have + 1 if per_rank == "whole" else per_rank
+    need = {"whole": 2 * (have + 1), 0.6: 2, 0.5: 1}[per_rank]
+    if have >= need:
+        pytest.skip(f"this Ray cluster has {have:g} GPUs: the refusal needs fewer than {need:g}")
     start = time.monotonic()
-    with pytest.raises(ValueError, match=rf"the group's 2 ranks need {2 * (have + 1):g} GPUs, the Ray cluster has {have:g}"):
-        WorkerGroup(ProbeWorker, NamedSharding({"data_parallel": 2}), num_gpus_per_worker=have + 1, setup_timeout_s=60)
+    with pytest.raises(GPUShortageError, match=rf"the group's 2 ranks need {need:g} GPUs, the Ray cluster has {have:g}") as raised:
+        WorkerGroup(ProbeWorker, NamedSharding({"data_parallel": 2}), num_gpus_per_worker=per_worker, setup_timeout_s=60)
+    assert (raised.value.ranks, raised.value.need, raised.value.have) == (2, need, have)
+    assert isinstance(raised.value, ValueError)
     assert time.monotonic() - start < 5.0
 
 
