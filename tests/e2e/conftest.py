@@ -15,9 +15,11 @@ Tests use their own ``partition`` (a fresh uuid) so a store shared across tests
 never mixes their keys.
 
 ``RLDP_TEST_TQ_BACKEND=MooncakeStore`` runs the session's TransferQueue on the
-Mooncake backend (TCP, small segments) instead of SimpleStorage, so every
-TransferQueue test checks that backend too; it needs the ``mooncake`` package
-(``mooncake-transfer-engine-non-cuda`` on CPU machines).
+Mooncake backend (TCP, small segments) instead of RayObjectStore, so every test
+that uses the session's store checks that backend too (the GRPO runs that join
+it stop at their config check: ``shell.run`` has no Mooncake backend); it needs
+the ``mooncake`` package (``mooncake-transfer-engine-non-cuda`` on CPU machines,
+see docs/dataplane.md).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ TQ_TEST_CONFIGS: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="session")
 def tq_store_session(ray_cluster: None) -> Iterator[TransferQueueStore]:
-    """TransferQueue (``TQ_BACKEND``, SimpleStorage by default) started once on the session's Ray cluster; the owning store.
+    """TransferQueue (``TQ_BACKEND``, RayObjectStore by default) started once on the session's Ray cluster; the owning store.
 
     Teardown closes it twice (the second close must be a no-op) and checks
     that TransferQueue's controller is gone while Ray, which this store did not
