@@ -87,6 +87,13 @@ class RolloutPrecision(str, enum.Enum):
     bf16 = "bf16"
 
 
+class PolicyDevice(str, enum.Enum):
+    """Where the policy ranks run megatron-core: on CPU over gloo (the project's shim), or one GPU each over NCCL."""
+
+    cpu = "cpu"
+    cuda = "cuda"
+
+
 class ProgressMode(str, enum.Enum):
     """How the run shows progress: a live bar on a terminal or plain lines (``auto``), or one of them."""
 
@@ -371,6 +378,15 @@ class PolicySection:
         "off | r3: the rollout records each token's MoE routing (field routed_experts) and training replays it "
         "(needs policy.model.num_experts > 0)"
     )
+    device: PolicyDevice = _key(
+        "cpu | cuda: where the policy ranks run (cuda: a GPU each, NCCL; the rollout engine stays on CPU)"
+    )
+    gpus_per_rank: float = _number(
+        "Ray GPUs per policy rank with policy.device=cuda, in (0, 1]; below 1 another run's ranks may share the "
+        "device (ranks of one run never do: NCCL refuses, so <= 0.5 needs one rank)",
+        _above(0),
+        lambda v: None if v <= 1 else "must be <= 1",
+    )
     num_cpus_per_worker: float = _number("Ray CPUs per policy rank and per rollout engine", _above(0))
     timeout_s: float = _number("a worker call that takes longer fails the run", _above(0))
 
@@ -381,6 +397,13 @@ class PolicySection:
             raise ConfigError("policy.layout.tensor_parallel", f"must divide policy.model.num_attention_heads ({heads}): got {tp}")
         if layers % pp:
             raise ConfigError("policy.layout.pipeline_parallel", f"must divide policy.model.num_layers ({layers}): got {pp}")
+        ranks = self.layout.world_size
+        if self.device == PolicyDevice.cuda and self.gpus_per_rank <= 0.5 and ranks > 1:
+            raise ConfigError(
+                "policy.gpus_per_rank",
+                f"must exceed 0.5 with policy.device=cuda and {ranks} policy ranks (Ray would put two ranks of the "
+                f"run on one GPU, and NCCL refuses that): got {self.gpus_per_rank:g}",
+            )
         if self.replays_routing and not self.model.num_experts:
             raise ConfigError(
                 "policy.router_replay",

@@ -65,6 +65,7 @@ from shell.run_config import RunConfig, StoreBackend, dump_run_config
 from shell.run_log import MEMORY_ERROR_KEY, MEMORY_KEY, RISING_KEY
 from shell.step_source import NotEnoughGroups, StepInput, StepSource, build_source
 from shell.transport import DataPlaneTransport, LegacyTransport, Transport, TransportReport
+from shell.worker_group import GPUShortageError
 
 CHECKPOINT_FILE = "checkpoint.pt"
 _VOCAB_MULTIPLE = 8
@@ -114,6 +115,8 @@ def policy_config(config: RunConfig, model: TinyGPTConfig) -> PolicyConfig:
         timeout_s=p.timeout_s,
         placement=config.ray.placement.value,
         worker_resource=config.ray.worker_resource,
+        device=p.device.value,
+        gpus_per_rank=p.gpus_per_rank,
     )
 
 
@@ -325,7 +328,7 @@ class GRPOTrainer:
         # at once. Whatever started is kept, so close() stops it even when the other failed.
         build_at_once(
             {
-                "policy": functools.partial(Policy, self.policy_config, transport),
+                "policy": functools.partial(self._start_policy, transport),
                 "source": functools.partial(
                     build_source, self.config, self.task, rollout, transport, key_prefix=self.key_prefix
                 ),
@@ -334,6 +337,22 @@ class GRPOTrainer:
             discard=lambda _name, engine: engine.shutdown() if isinstance(engine, Policy) else engine.close(),
         )
         timed["workers"] = time.perf_counter() - began
+
+    def _start_policy(self, transport: Transport) -> Policy:
+        """The policy's worker group; a cluster short of the GPUs ``policy.device=cuda`` needs is a config error."""
+        try:
+            return Policy(self.policy_config, transport)
+        except ValueError as error:
+            shortage = error.__cause__
+            if not isinstance(shortage, GPUShortageError):
+                raise
+            ranks = "1 policy rank needs" if shortage.ranks == 1 else f"{shortage.ranks} policy ranks need"
+            raise ConfigError(
+                "policy.device",
+                f"must be cpu on a Ray cluster without the GPUs of the policy ranks (the run's {ranks} "
+                f"{shortage.need:g} GPU{'' if shortage.need == 1 else 's'} at policy.gpus_per_rank="
+                f"{shortage.per_worker:g}, the cluster has {shortage.have:g}): got cuda",
+            ) from error
 
     def _open_transport(self, say: Callable[[str], None]) -> Transport:
         """The legacy transport, or the data plane over a started (or given) store."""

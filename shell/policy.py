@@ -20,6 +20,7 @@ fails at once instead of waiting on the dead part.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, get_args
 
@@ -71,13 +72,18 @@ class PolicyConfig:
             see :mod:`shell.node_placement`.
         worker_resource: a custom node resource every rank needs (None: any node).
         device: where each rank runs megatron-core: ``"cpu"`` (gloo, the CPU shim in the rank's process) or
-            ``"cuda"`` (one GPU per rank, Ray's ``num_gpus=1``, NCCL, megatron-core unpatched). Either way what the
-            driver and the store exchange with the ranks is CPU tensors: the transports see no device.
+            ``"cuda"`` (a GPU per rank, Ray's ``num_gpus=gpus_per_rank``, NCCL, megatron-core unpatched). Either
+            way what the driver and the store exchange with the ranks is CPU tensors: the transports see no device.
+        gpus_per_rank: Ray GPUs each rank takes on ``"cuda"`` (unused on ``"cpu"``), in ``(0, 1]``. Below 1, ranks
+            of other groups may share its device (two policies side by side on one GPU); the ranks of one group
+            never do, since NCCL refuses two ranks on one device, so on ``"cuda"`` a share of 0.5 or less needs a
+            one-rank group.
 
     Raises:
         TypeError: a field has the wrong type.
-        ValueError: the batching settings are inconsistent (see :class:`core.step_plan.StepLayout`), or
-            ``device`` is not ``"cpu"`` or ``"cuda"``.
+        ValueError: the batching settings are inconsistent (see :class:`core.step_plan.StepLayout`),
+            ``device`` is not ``"cpu"`` or ``"cuda"``, or ``gpus_per_rank`` is outside ``(0, 1]`` or would let
+            Ray put two of the group's ranks on one device.
     """
 
     sharding: NamedSharding = attrs.field(validator=attrs.validators.instance_of(NamedSharding))
@@ -95,7 +101,19 @@ class PolicyConfig:
     placement: str = attrs.field(default="pack", validator=attrs.validators.in_(("pack", "spread")))
     worker_resource: str | None = attrs.field(default=None, validator=_optional(str))
     device: str = attrs.field(default="cpu", validator=attrs.validators.in_(DEVICES))
+    gpus_per_rank: float = attrs.field(default=1.0, converter=float)
     layout: StepLayout = attrs.field(init=False)
+
+    @gpus_per_rank.validator
+    def _check_gpus_per_rank(self, _attribute: Any, share: float) -> None:
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"'gpus_per_rank' must be in (0, 1]: got {share:g}")
+        if self.device == "cuda" and share <= 0.5 and self.sharding.world_size > 1:
+            raise ValueError(
+                f"'gpus_per_rank' must exceed 0.5 for a group of {self.sharding.world_size} ranks (Ray would put "
+                f"{math.floor(1 / share + 1e-9)} of them on one GPU, and NCCL refuses two ranks on one device): "
+                f"got {share:g}"
+            )
 
     @layout.default
     def _layout(self) -> StepLayout:
@@ -125,8 +143,8 @@ class PolicyConfig:
 
     @property
     def num_gpus_per_worker(self) -> float:
-        """Ray GPUs per rank: 1 on ``"cuda"``, else 0."""
-        return 1.0 if self.device == "cuda" else 0.0
+        """Ray GPUs per rank: ``gpus_per_rank`` on ``"cuda"``, else 0."""
+        return self.gpus_per_rank if self.device == "cuda" else 0.0
 
 
 def build_group(
@@ -157,8 +175,8 @@ def build_group(
         )
     except GPUShortageError as error:  # name the policy's own setting, not the group's
         raise ValueError(
-            f"'device' is 'cuda': the policy's {error.ranks} ranks need {error.need:g} GPUs (one each), the Ray "
-            f"cluster has {error.have:g}; give the cluster GPUs, or use device='cpu'"
+            f"'device' is 'cuda': the policy's {error.ranks} ranks need {error.need:g} GPUs ({error.per_worker:g} "
+            f"each), the Ray cluster has {error.have:g}; give the cluster GPUs, or use device='cpu'"
         ) from error
     try:
         group.call(PolicyWorker.setup)

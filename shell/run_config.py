@@ -31,6 +31,7 @@ from core.frozen import FrozenDict
 from shell.config_error import ConfigError
 from shell.config_schema import (
     FetchPolicyName,
+    PolicyDevice,
     ProgressMode,
     RolloutPrecision,
     RouterReplayMode,
@@ -44,7 +45,7 @@ from shell.config_yaml import Tree, dump, override_node, read_document, read_val
 
 __all__ = [
     "ConfigError", "RunConfig", "StoreBackend", "FetchPolicyName", "ProgressMode", "RouterReplayMode",
-    "RolloutPrecision", "load_run_config",
+    "RolloutPrecision", "PolicyDevice", "load_run_config",
     "parse_overrides", "run_config_from_dict", "run_config_to_dict", "dump_run_config", "save_run_config",
     "describe_keys", "select", "cluster_cpus",
 ]

@@ -163,10 +163,17 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--device cuda needs a GPU per rank: --dp {cfg.dp}, torch sees {torch.cuda.device_count()}")
         run_policy(cfg, report)
     elif args.name == "grpo":
-        from shell.bench.grpo import GrpoBenchConfig
+        from shell.bench.grpo import GrpoBenchConfig, cuda_shortage
         from shell.bench.grpo import run as run_grpo
 
-        run_grpo(GrpoBenchConfig(steps=args.steps, repeats=args.repeats, overrides=tuple(args.overrides)), report)
+        cfg = GrpoBenchConfig(steps=args.steps, repeats=args.repeats, overrides=tuple(args.overrides))
+        try:
+            problem = cuda_shortage(cfg.overrides)
+        except ValueError as error:  # a bad override (ConfigError) is a usage error, before Ray starts
+            problem = str(error)
+        if problem:
+            parser.error(problem)
+        run_grpo(cfg, report)
     elif args.name == "reward":
         import time
 

@@ -80,6 +80,32 @@ def side_by_side(configs: Mapping[str, Any], steps: int) -> dict[str, list[dict[
     return records
 
 
+def cuda_shortage(overrides: Sequence[str]) -> str | None:
+    """Why this machine cannot run the bench's two trainers side by side with ``overrides``' policy on CUDA
+    (each path's policy ranks at ``policy.gpus_per_rank``, both at once), or None (CPU policy, or GPUs enough).
+
+    Ray packs ``floor(1 / share)`` ranks of a share below one GPU on a device (:func:`shell.worker_group.gpus_needed`);
+    on one GPU, ``policy.gpus_per_rank=0.5`` fits both paths' single rank.
+    """
+    from shell.run_config import PolicyDevice, load_run_config
+    from shell.worker_group import gpus_needed
+
+    policy = load_run_config(list(overrides)).policy
+    if policy.device != PolicyDevice.cuda:
+        return None
+    import torch
+
+    ranks = len(PATHS) * policy.layout.world_size
+    need, have = gpus_needed(policy.gpus_per_rank, ranks), torch.cuda.device_count()
+    if need <= have:
+        return None
+    return (
+        f"policy.device=cuda: the bench runs both paths at once, {ranks} policy ranks at "
+        f"policy.gpus_per_rank={policy.gpus_per_rank:g} need {need:g} GPUs, torch sees {have}"
+        + ("; on one GPU pass policy.gpus_per_rank=0.5" if ranks == 2 and have == 1 else "")
+    )
+
+
 def _run_pair(overrides: Sequence[str], steps: int) -> dict[str, list[dict[str, Any]]]:
     """Path -> its step records, each with every process's resident memory (``rss_mib``): a trainer of each path
     side by side (:func:`side_by_side`)."""

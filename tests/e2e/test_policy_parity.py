@@ -321,7 +321,7 @@ def test_build_group_refuses_cuda_ranks_without_a_gpu_each(ray_cluster: None) ->
         pytest.skip(f"this Ray cluster has {gpus:g} GPUs: the refusal needs fewer than 2")
     start = time.monotonic()
     with pytest.raises(
-        ValueError, match=rf"^'device' is 'cuda': the policy's 2 ranks need 2 GPUs \(one each\), the Ray cluster has {gpus:g};"
+        ValueError, match=rf"^'device' is 'cuda': the policy's 2 ranks need 2 GPUs \(1 each\), the Ray cluster has {gpus:g};"
     ) as raised:
         build_group(config)
     assert isinstance(raised.value.__cause__, GPUShortageError)

@@ -90,3 +90,24 @@ def test_cli_refuses_what_cannot_run_before_starting_anything(capsys: pytest.Cap
             bench_main(["policy", "--device", "cuda", "--dp", "2"])
         assert exit_.value.code == 2
         assert f"--device cuda needs a GPU per rank: --dp 2, torch sees {torch.cuda.device_count()}" in capsys.readouterr().err
+
+
+def test_grpo_bench_cli_refuses_a_cuda_policy_without_the_gpus_of_both_paths(capsys: pytest.CaptureFixture[str]) -> None:
+    """``shell.bench grpo policy.device=cuda`` runs two trainers at once; without GPUs for both paths' ranks it is a
+    usage error naming the counts, as is a bad override, before any cluster starts. A CPU policy needs no GPU."""
+    from shell.bench.__main__ import main as bench_main
+    from shell.bench.grpo import cuda_shortage
+
+    assert cuda_shortage(["policy.gpus_per_rank=0.5"]) is None
+    have = torch.cuda.device_count()
+    if have < 2:
+        with pytest.raises(SystemExit) as exit_:
+            bench_main(["grpo", "--steps", "3", "--repeats", "1", "policy.device=cuda"])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"2 policy ranks at policy.gpus_per_rank=1 need 2 GPUs, torch sees {have}" in err
+        assert ("pass policy.gpus_per_rank=0.5" in err) == (have == 1)
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(["grpo", "--steps", "3", "policy.device=gpu"])
+    assert exit_.value.code == 2
+    assert "config key 'policy.device'" in capsys.readouterr().err

@@ -17,9 +17,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shell.config_schema import TQ_OBJECT_STORE_CPUS, TRANSFER_QUEUE_CONTROLLER_CPUS, AsyncSection, RolloutSection, config_key, schema_fields
-from shell.grpo_trainer import model_config
+from shell.grpo_trainer import model_config, policy_config
 from shell.run_config import (
     ConfigError,
+    PolicyDevice,
     ProgressMode,
     RolloutPrecision,
     RouterReplayMode,
@@ -245,6 +246,8 @@ def test_parse_overrides_rejects_an_override_without_equals(item: str) -> None:
         ("policy.router_replay=true", "policy.router_replay"),
         ("rollout.precision=fp16", "rollout.precision"),
         ("rollout.nope=1", "rollout.nope"),
+        ("policy.device=gpu", "policy.device"),
+        ("policy.device=cuda:0", "policy.device"),
     ],
 )
 def test_load_run_config_rejects_unknown_keys_and_ill_typed_values(override: str, key: str) -> None:
@@ -304,6 +307,9 @@ IMPOSSIBLE = [
     (["policy.micro_batch_tokens=-1"], "policy.micro_batch_tokens"),
     (["policy.num_cpus_per_worker=0"], "policy.num_cpus_per_worker"),
     (["policy.timeout_s=0"], "policy.timeout_s"),
+    (["policy.gpus_per_rank=0"], "policy.gpus_per_rank"),
+    (["policy.gpus_per_rank=1.5"], "policy.gpus_per_rank"),
+    (["policy.device=cuda", "policy.gpus_per_rank=0.5", "policy.layout.data_parallel=2"], "policy.gpus_per_rank"),
     (["task.name=''"], "task.name"),
     (["data_plane.partition=''"], "data_plane.partition"),
 ]
@@ -436,6 +442,25 @@ def test_run_config_from_dict_rejects_async_relations(overrides: list[str], key:
     valid = load_run_config(overrides)  # async off: the relation is not checked
     with _raises_naming(key):
         attrs.evolve(valid, grpo=attrs.evolve(valid.grpo, async_=attrs.evolve(valid.grpo.async_, enabled=True)))
+
+
+# ---------------------------------------------------------------- policy device
+
+
+def test_load_run_config_policy_device_defaults_to_cpu_and_reaches_the_policy(defaults: RunConfig) -> None:
+    """policy.device is cpu by default and cuda on request, and the PolicyConfig the trainer builds carries it."""
+    assert defaults.policy.device == PolicyDevice.cpu
+    assert {key: value for key, value, _ in describe_keys(defaults)}["policy.device"] == "cpu"
+    config = load_run_config(["policy.device=cuda", "policy.layout.data_parallel=2"])
+    assert config.policy.device == PolicyDevice.cuda
+    built = policy_config(config, model_config(config, config.task.instance))
+    assert (built.device, built.num_gpus_per_worker) == ("cuda", 1.0)
+    assert policy_config(defaults, model_config(defaults, defaults.task.instance)).num_gpus_per_worker == 0.0
+    assert "policy:\n" in dump_run_config(config) and "  device: cuda\n" in dump_run_config(config)
+    shared = load_run_config(["policy.device=cuda", "policy.gpus_per_rank=0.5"])  # one rank: may share its GPU
+    assert policy_config(shared, model_config(shared, shared.task.instance)).num_gpus_per_worker == 0.5
+    # on CPU the share is unused: any layout loads with it
+    assert load_run_config(["policy.gpus_per_rank=0.25", "policy.layout.data_parallel=2"]).policy.gpus_per_rank == 0.25
 
 
 # ---------------------------------------------------------------- MoE, router replay and rollout precision
