@@ -32,11 +32,7 @@ CPU-only torch raises on each of those. The shim makes them run on CPU:
    (it builds a device-to-host stream when built and switches to it in each
    forward); since the current stream *is* that stream, the dispatcher never
    takes its side-stream branch (``Tensor.record_stream``).
-6. ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is ``None`` when
-   Transformer Engine is absent: the router's gating reads that name, which
-   megatron only defines when Transformer Engine imports, and ``None`` selects
-   its plain ``torch.mm`` path.
-7. The backward of every custom autograd ``Function`` runs under a fresh
+6. The backward of every custom autograd ``Function`` runs under a fresh
    remap (patch 2): ``BackwardCFunction.apply`` and ``apply_boxed`` enter a
    :class:`CudaToCpu` around the user's backward. ``torch.autograd.backward``
    is itself a torch function, and torch runs a mode's handler with that mode
@@ -68,7 +64,6 @@ from typing import Any
 
 import torch
 from megatron.core import tensor_parallel
-from megatron.core.transformer.moe import moe_utils
 from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 
@@ -232,8 +227,6 @@ def apply_cpu_shim() -> None:
     torch.cuda.Stream = _cpu_stream  # type: ignore[assignment,misc]
     torch.cuda.current_stream = _cpu_stream  # type: ignore[assignment]
     torch.cuda.stream = _cpu_stream_context  # type: ignore[assignment]
-    if not moe_utils.HAVE_TE:
-        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
     BackwardCFunction.apply = _remapped_backward(BackwardCFunction.apply)  # type: ignore[method-assign]
     if hasattr(BackwardCFunction, "apply_boxed"):  # torch 2.13's second backward entry; torch 2.11 has only apply
         BackwardCFunction.apply_boxed = _remapped_backward(BackwardCFunction.apply_boxed)  # type: ignore[method-assign]

@@ -28,6 +28,13 @@ in place on an autograd view, which autograd rejects. The token dispatcher is
 micro-batch's shape); on CPU its CUDA streams are the shim's stand-ins
 (:mod:`adapters.megatron_cpu`, patch 5). A dense model's config is as before.
 
+Without Transformer Engine (this project installs none), megatron-core 0.16.1
+leaves ``moe_utils.te_general_gemm`` unbound, yet its MoE router's gating reads
+it (``te_general_gemm is not None``): every MoE forward would raise
+``NameError``, on CPU and on CUDA alike (seen on an H100). :func:`build_gpt`
+binds it to ``None`` first (:func:`bind_absent_te_gemm`), which selects the
+gating's plain ``torch.mm`` path.
+
 Rank layout: ``rank = ((pp * DP + dp) * CP + cp) * TP + tp`` (tensor parallel
 fastest, as :mod:`core.topology`). megatron's default order ``"tp-cp-ep-dp-pp"``
 lists axes fastest first and gives exactly this mapping (expert parallel is 1),
@@ -48,6 +55,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -187,8 +195,19 @@ def _layer_spec(config: TinyGPTConfig, megatron_config: TransformerConfig) -> Mo
     )
 
 
+def bind_absent_te_gemm() -> None:
+    """Bind megatron's ``moe_utils.te_general_gemm`` to ``None`` when Transformer Engine is absent; idempotent.
+
+    megatron-core 0.16.1 binds the name only when Transformer Engine imports, and its router gating
+    (``moe_utils.RouterGatingLinearFunction``) tests it against ``None``; ``None`` selects ``torch.mm``.
+    """
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
 def build_gpt(config: TinyGPTConfig, tp: int, pp: int, device: torch.device) -> GPTModel:
     """This rank's stage of a fresh GPT (its own :func:`transformer_config`), on ``device``."""
+    bind_absent_te_gemm()
     megatron_config = transformer_config(config, tp, pp)
     model = GPTModel(
         config=megatron_config,
