@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import attrs
 
 from core.frozen import freeze
+from core.gpu_share import gpu_share_problem
 from core.step_plan import StepLayout
 from core.task import Task
 from shell.config_error import ConfigError
@@ -88,7 +89,8 @@ class RolloutPrecision(str, enum.Enum):
 
 
 class PolicyDevice(str, enum.Enum):
-    """Where the policy ranks run megatron-core: on CPU over gloo (the project's shim), or one GPU each over NCCL."""
+    """Where the policy ranks run megatron-core: on CPU over gloo (the project's shim), or on GPUs over NCCL
+    (``policy.gpus_per_rank`` of one each)."""
 
     cpu = "cpu"
     cuda = "cuda"
@@ -382,10 +384,8 @@ class PolicySection:
         "cpu | cuda: where the policy ranks run (cuda: a GPU each, NCCL; the rollout engine stays on CPU)"
     )
     gpus_per_rank: float = _number(
-        "Ray GPUs per policy rank with policy.device=cuda, in (0, 1]; below 1 another run's ranks may share the "
-        "device (ranks of one run never do: NCCL refuses, so <= 0.5 needs one rank)",
-        _above(0),
-        lambda v: None if v <= 1 else "must be <= 1",
+        "Ray GPUs per policy rank with policy.device=cuda, in (0, 1], a multiple of 0.0001; below 1 another run's "
+        "ranks may share the device (ranks of one run never do: NCCL refuses, so <= 0.5 needs one rank)",
     )
     num_cpus_per_worker: float = _number("Ray CPUs per policy rank and per rollout engine", _above(0))
     timeout_s: float = _number("a worker call that takes longer fails the run", _above(0))
@@ -397,13 +397,10 @@ class PolicySection:
             raise ConfigError("policy.layout.tensor_parallel", f"must divide policy.model.num_attention_heads ({heads}): got {tp}")
         if layers % pp:
             raise ConfigError("policy.layout.pipeline_parallel", f"must divide policy.model.num_layers ({layers}): got {pp}")
-        ranks = self.layout.world_size
-        if self.device == PolicyDevice.cuda and self.gpus_per_rank <= 0.5 and ranks > 1:
-            raise ConfigError(
-                "policy.gpus_per_rank",
-                f"must exceed 0.5 with policy.device=cuda and {ranks} policy ranks (Ray would put two ranks of the "
-                f"run on one GPU, and NCCL refuses that): got {self.gpus_per_rank:g}",
-            )
+        ranks = self.layout.world_size if self.device == PolicyDevice.cuda else 1  # on CPU only its range counts
+        problem = gpu_share_problem(self.gpus_per_rank, ranks)
+        if problem is not None:
+            raise ConfigError("policy.gpus_per_rank", f"must {problem}: got {self.gpus_per_rank:g}")
         if self.replays_routing and not self.model.num_experts:
             raise ConfigError(
                 "policy.router_replay",

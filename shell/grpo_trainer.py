@@ -342,8 +342,8 @@ class GRPOTrainer:
         """The policy's worker group; a cluster short of the GPUs ``policy.device=cuda`` needs is a config error."""
         try:
             return Policy(self.policy_config, transport)
-        except ValueError as error:
-            shortage = error.__cause__
+        except ValueError as error:  # build_group's, caused by the group's GPUShortageError (its documented cause)
+            shortage = error if isinstance(error, GPUShortageError) else error.__cause__
             if not isinstance(shortage, GPUShortageError):
                 raise
             ranks = "1 policy rank needs" if shortage.ranks == 1 else f"{shortage.ranks} policy ranks need"

@@ -20,7 +20,6 @@ fails at once instead of waiting on the dead part.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, get_args
 
@@ -28,6 +27,7 @@ import attrs
 import torch
 
 from core.fields import GLOBAL_FORWARD_PAD_SEQLEN, INPUT_IDS, PREV_LOGPROBS, REFERENCE_LOGPROBS
+from core.gpu_share import gpu_share_problem
 from core.model_config import TinyGPTConfig
 from core.sharding import DynamicBatchingSpec, PackingSpec
 from core.step_plan import StepLayout, TrainResult, check_kept_rows, kept_rows, merge_train, shard_step, stamp_step
@@ -72,9 +72,10 @@ class PolicyConfig:
             see :mod:`shell.node_placement`.
         worker_resource: a custom node resource every rank needs (None: any node).
         device: where each rank runs megatron-core: ``"cpu"`` (gloo, the CPU shim in the rank's process) or
-            ``"cuda"`` (a GPU per rank, Ray's ``num_gpus=gpus_per_rank``, NCCL, megatron-core unpatched). Either
+            ``"cuda"`` (a GPU per rank, Ray's ``num_gpus=gpus_per_rank``, NCCL, megatron-core without the CPU shim). Either
             way what the driver and the store exchange with the ranks is CPU tensors: the transports see no device.
-        gpus_per_rank: Ray GPUs each rank takes on ``"cuda"`` (unused on ``"cpu"``), in ``(0, 1]``. Below 1, ranks
+        gpus_per_rank: Ray GPUs each rank takes on ``"cuda"`` (unused on ``"cpu"``), in ``(0, 1]``, a multiple of
+            ``core.gpu_share.GPU_SHARE_STEP`` (Ray's finest share). Below 1, ranks
             of other groups may share its device (two policies side by side on one GPU); the ranks of one group
             never do, since NCCL refuses two ranks on one device, so on ``"cuda"`` a share of 0.5 or less needs a
             one-rank group.
@@ -82,8 +83,9 @@ class PolicyConfig:
     Raises:
         TypeError: a field has the wrong type.
         ValueError: the batching settings are inconsistent (see :class:`core.step_plan.StepLayout`),
-            ``device`` is not ``"cpu"`` or ``"cuda"``, or ``gpus_per_rank`` is outside ``(0, 1]`` or would let
-            Ray put two of the group's ranks on one device.
+            ``device`` is not ``"cpu"`` or ``"cuda"``, or ``gpus_per_rank`` is not a number, is outside ``(0, 1]``,
+            is finer than Ray's step, or would let Ray put two of the group's ranks on one device
+            (:func:`core.gpu_share.gpu_share_problem`).
     """
 
     sharding: NamedSharding = attrs.field(validator=attrs.validators.instance_of(NamedSharding))
@@ -101,19 +103,14 @@ class PolicyConfig:
     placement: str = attrs.field(default="pack", validator=attrs.validators.in_(("pack", "spread")))
     worker_resource: str | None = attrs.field(default=None, validator=_optional(str))
     device: str = attrs.field(default="cpu", validator=attrs.validators.in_(DEVICES))
-    gpus_per_rank: float = attrs.field(default=1.0, converter=float)
+    gpus_per_rank: float = 1.0
     layout: StepLayout = attrs.field(init=False)
 
-    @gpus_per_rank.validator
-    def _check_gpus_per_rank(self, _attribute: Any, share: float) -> None:
-        if not 0.0 < share <= 1.0:
-            raise ValueError(f"'gpus_per_rank' must be in (0, 1]: got {share:g}")
-        if self.device == "cuda" and share <= 0.5 and self.sharding.world_size > 1:
-            raise ValueError(
-                f"'gpus_per_rank' must exceed 0.5 for a group of {self.sharding.world_size} ranks (Ray would put "
-                f"{math.floor(1 / share + 1e-9)} of them on one GPU, and NCCL refuses two ranks on one device): "
-                f"got {share:g}"
-            )
+    def __attrs_post_init__(self) -> None:
+        ranks = self.sharding.world_size if self.device == "cuda" else 1  # on CPU the share is unused: range only
+        problem = gpu_share_problem(self.gpus_per_rank, ranks)
+        if problem is not None:
+            raise ValueError(f"'gpus_per_rank' must {problem}: got {self.gpus_per_rank!r}")
 
     @layout.default
     def _layout(self) -> StepLayout:
@@ -152,12 +149,14 @@ def build_group(
 ) -> WorkerGroup:
     """Start one ``worker_cls`` actor per rank of ``config.sharding`` and build every backend (and store client).
 
-    On ``config.device == "cuda"`` every rank takes one GPU and the group joins over NCCL; the cluster must have
-    a GPU per rank (the group checks it before any actor starts).
+    On ``config.device == "cuda"`` every rank takes ``config.gpus_per_rank`` of a GPU and the group joins over
+    NCCL; the cluster must have the GPUs the ranks take (``gpus_needed``; the group checks it before any actor
+    starts).
 
     Raises:
         RuntimeError: Ray is not initialised.
-        ValueError: ``device`` is ``"cuda"`` and the cluster has fewer GPUs than ranks.
+        ValueError: ``device`` is ``"cuda"`` and the cluster has fewer GPUs than the ranks take; its cause is the
+            group's :class:`shell.worker_group.GPUShortageError`.
         WorkerError: a rank failed to start or to build its backend.
     """
     try:

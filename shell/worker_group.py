@@ -43,6 +43,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayError
 
 from core.dispatch import dp_results, shard_for_ranks
+from core.gpu_share import gpus_needed  # public here too (shell.worker_group.gpus_needed)
 from core.topology import NamedSharding, Rank
 from shell.worker import ResolvedBackend, Worker, dispatch_of
 from shell.worker_errors import WorkerError, WorkerTimeoutError, failure_error, format_coords
@@ -139,26 +140,6 @@ class GPUShortageError(ValueError):
             f"'num_gpus_per_worker' is {per_worker:g}: the group's {ranks} ranks need {need:g} GPUs, the Ray cluster "
             f"has {have:g}; give the cluster GPUs, or build a CPU group (num_gpus_per_worker=0)"
         )
-
-
-def gpus_needed(per_worker: float, ranks: int) -> float:
-    """The GPUs ``ranks`` actors of ``per_worker`` GPUs each take on a Ray cluster.
-
-    Ray gives each actor its GPUs from one device when it asks for less than
-    one, so ``floor(1 / per_worker)`` such actors share a device and the rest of
-    it stays free: 3 ranks of 0.6 take 3 GPUs, not 1.8. From one GPU up, each
-    actor takes its own whole devices.
-
-    Example:
-        >>> gpus_needed(0.5, 3), gpus_needed(0.6, 3), gpus_needed(1, 3), gpus_needed(0, 3)
-        (2.0, 3.0, 3.0, 0.0)
-    """
-    if per_worker <= 0 or ranks <= 0:
-        return 0.0
-    if per_worker >= 1:
-        return float(per_worker * ranks)
-    per_device = math.floor(1.0 / per_worker + 1e-9)
-    return float(math.ceil(ranks / per_device))
 
 
 def _check_gpus(per_worker: float, ranks: int) -> None:

@@ -86,9 +86,13 @@ def cuda_shortage(overrides: Sequence[str]) -> str | None:
 
     Ray packs ``floor(1 / share)`` ranks of a share below one GPU on a device (:func:`shell.worker_group.gpus_needed`);
     on one GPU, ``policy.gpus_per_rank=0.5`` fits both paths' single rank.
+
+    Raises:
+        ConfigError: ``overrides`` do not load (it loads them as the bench will, so the CLI reports a bad override
+            as a usage error before Ray starts).
     """
+    from core.gpu_share import gpus_needed
     from shell.run_config import PolicyDevice, load_run_config
-    from shell.worker_group import gpus_needed
 
     policy = load_run_config(list(overrides)).policy
     if policy.device != PolicyDevice.cuda:
@@ -101,7 +105,7 @@ def cuda_shortage(overrides: Sequence[str]) -> str | None:
         return None
     return (
         f"policy.device=cuda: the bench runs both paths at once, {ranks} policy ranks at "
-        f"policy.gpus_per_rank={policy.gpus_per_rank:g} need {need:g} GPUs, torch sees {have}"
+        f"policy.gpus_per_rank={policy.gpus_per_rank:g} need {need:g} GPU{'' if need == 1 else 's'}, torch sees {have}"
         + ("; on one GPU pass policy.gpus_per_rank=0.5" if ranks == 2 and have == 1 else "")
     )
 

@@ -92,21 +92,45 @@ def test_cli_refuses_what_cannot_run_before_starting_anything(capsys: pytest.Cap
         assert f"--device cuda needs a GPU per rank: --dp 2, torch sees {torch.cuda.device_count()}" in capsys.readouterr().err
 
 
-def test_grpo_bench_cli_refuses_a_cuda_policy_without_the_gpus_of_both_paths(capsys: pytest.CaptureFixture[str]) -> None:
-    """``shell.bench grpo policy.device=cuda`` runs two trainers at once; without GPUs for both paths' ranks it is a
-    usage error naming the counts, as is a bad override, before any cluster starts. A CPU policy needs no GPU."""
-    from shell.bench.__main__ import main as bench_main
+@pytest.mark.parametrize(
+    ("gpus", "overrides", "refused"),
+    [
+        (0, ["policy.device=cuda"], "2 policy ranks at policy.gpus_per_rank=1 need 2 GPUs, torch sees 0"),
+        (1, ["policy.device=cuda"],
+         "2 policy ranks at policy.gpus_per_rank=1 need 2 GPUs, torch sees 1; on one GPU pass policy.gpus_per_rank=0.5"),
+        (1, ["policy.device=cuda", "policy.gpus_per_rank=0.5"], None),
+        (2, ["policy.device=cuda"], None),
+        (3, ["policy.device=cuda", "policy.layout.data_parallel=2"],
+         "4 policy ranks at policy.gpus_per_rank=1 need 4 GPUs, torch sees 3"),
+        (0, ["policy.gpus_per_rank=0.5"], None),  # a CPU policy needs no GPU
+    ],
+)
+def test_grpo_bench_cuda_shortage_counts_both_paths_ranks(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, overrides: list[str], refused: str | None
+) -> None:
+    """``shell.bench grpo`` runs the two paths' trainers at once: on CUDA it needs the GPUs of both groups of
+    ranks, as Ray packs them (half a GPU each fits two one-rank groups on one device)."""
     from shell.bench.grpo import cuda_shortage
 
-    assert cuda_shortage(["policy.gpus_per_rank=0.5"]) is None
-    have = torch.cuda.device_count()
-    if have < 2:
-        with pytest.raises(SystemExit) as exit_:
-            bench_main(["grpo", "--steps", "3", "--repeats", "1", "policy.device=cuda"])
-        assert exit_.value.code == 2
-        err = capsys.readouterr().err
-        assert f"2 policy ranks at policy.gpus_per_rank=1 need 2 GPUs, torch sees {have}" in err
-        assert ("pass policy.gpus_per_rank=0.5" in err) == (have == 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    problem = cuda_shortage(overrides)
+    if refused is None:
+        assert problem is None
+    else:
+        assert problem is not None and problem.endswith(refused), problem
+
+
+def test_grpo_bench_cli_refuses_a_gpu_shortage_and_a_bad_override_before_starting(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both are usage errors (exit 2) naming the problem, raised before any cluster starts."""
+    from shell.bench.__main__ import main as bench_main
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(["grpo", "--steps", "3", "--repeats", "1", "policy.device=cuda"])
+    assert exit_.value.code == 2
+    assert "need 2 GPUs, torch sees 1; on one GPU pass policy.gpus_per_rank=0.5" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         bench_main(["grpo", "--steps", "3", "policy.device=gpu"])
     assert exit_.value.code == 2

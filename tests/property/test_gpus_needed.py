@@ -1,4 +1,4 @@
-"""Law of ``shell.worker_group.gpus_needed``: it is the number of devices Ray's fractional GPUs fill.
+"""Law of ``gpus_needed`` (``core.gpu_share``, public in ``shell.worker_group``): the devices fractional GPUs fill.
 
 Ray places an actor that asks for less than one GPU on a single device, and a
 device holds actors whose shares sum to at most one. The oracle packs the ranks
@@ -43,41 +43,13 @@ def test_whole_gpus_add_up(per_worker: int, ranks: int) -> None:
 
 @pytest.mark.parametrize("per_worker", [0, -1.0])
 def test_a_cpu_group_needs_no_gpu(per_worker: float) -> None:
+    """A share of zero or less asks Ray for no GPU."""
     assert gpus_needed(per_worker, 4) == 0.0
 
 
 def test_the_shortage_names_both_counts_and_is_a_value_error() -> None:
+    """``GPUShortageError`` is a ``ValueError`` whose message names the share and both counts."""
     error = GPUShortageError(ranks=3, per_worker=0.6, need=3.0, have=1.0)
     assert isinstance(error, ValueError)
     assert str(error).startswith("'num_gpus_per_worker' is 0.6: the group's 3 ranks need 3 GPUs, the Ray cluster has 1;")
 
-
-@given(units=st.integers(1, 100), ranks=st.integers(1, 8), device=st.sampled_from(["cpu", "cuda"]))
-def test_policy_config_accepts_a_gpu_share_only_if_no_two_of_its_ranks_share_a_device(
-    units: int, ranks: int, device: str
-) -> None:
-    """A CUDA policy accepts ``gpus_per_rank`` iff Ray's packing gives each of its ranks a device of its own (NCCL
-    refuses two ranks of one group on a device): then its ranks take exactly ``ranks`` GPUs. On CPU the share is
-    unused and any share in (0, 1] is accepted; Ray is asked for none."""
-    from core.topology import NamedSharding
-    from shell.policy import PolicyConfig
-
-    share = units / 100
-    sharding = NamedSharding({"data_parallel": ranks})
-    own_devices = _first_fit_devices(units, ranks) == ranks
-    if device == "cuda" and not own_devices:
-        with pytest.raises(ValueError, match=rf"'gpus_per_rank' must exceed 0.5 for a group of {ranks} ranks"):
-            PolicyConfig(sharding=sharding, device=device, gpus_per_rank=share)
-        return
-    config = PolicyConfig(sharding=sharding, device=device, gpus_per_rank=share)
-    assert config.num_gpus_per_worker == (share if device == "cuda" else 0.0)
-    assert gpus_needed(config.num_gpus_per_worker, ranks) == (ranks if device == "cuda" else 0)
-
-
-@pytest.mark.parametrize("share", [0.0, -0.5, 1.5, float("nan")])
-def test_policy_config_refuses_a_gpu_share_outside_0_1(share: float) -> None:
-    from core.topology import NamedSharding
-    from shell.policy import PolicyConfig
-
-    with pytest.raises(ValueError, match=r"'gpus_per_rank' must be in \(0, 1\]"):
-        PolicyConfig(sharding=NamedSharding({"data_parallel": 1}), device="cuda", gpus_per_rank=share)
