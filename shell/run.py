@@ -107,7 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from adapters import tq_system
     from shell.grpo_trainer import GRPOTrainer, StepError, StoreStartError  # heavy (megatron): after --help
     from shell.ray_cluster import check_address
-    from shell.run_dir import CONFIG_FILE, METRICS_FILE, PROCESSES_FILE, SAMPLES_FILE, plan_run_dir, prepare_run_dir
+    from shell.run_dir import (
+        CONFIG_FILE, METRICS_FILE, PROCESSES_FILE, SAMPLES_FILE, discard_unstarted, plan_run_dir, prepare_run_dir,
+    )
     from shell.worker_group import WorkerError
 
     try:
@@ -181,9 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 where = f"at step {step}" if step >= first else "during start-up"
                 console.print(f"[bold red]run failed[/] {where}: {escape(_summary(error))}", highlight=False)
                 status = EXIT_FAILED
-            except ConfigError as error:
+            except ConfigError as error:  # the config does not fit the cluster (found at start-up)
                 console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
                 status = EXIT_USAGE
+                if step < first:
+                    discard_unstarted(plan, config)  # no run happened: the same run.dir takes the corrected one
         except KeyboardInterrupt:  # the stopper's Interrupted, or Ray's in its stead (also while reporting a failure)
             name = f" ({stopper.signal_name})" if stopper.signal_name else ""
             where = f"during step {step}" if step >= first else "during start-up"

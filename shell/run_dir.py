@@ -22,6 +22,7 @@ raised by :func:`plan_run_dir` before the folder or anything else is touched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Mapping
@@ -99,6 +100,18 @@ def plan_run_dir(config: RunConfig, resume: str | None) -> RunDir:
             f"or set run.overwrite=true to delete its files",
         )
     return RunDir(path=path, checkpoint=checkpoint, first_step=first, overwrite=bool(earlier) and not continues)
+
+
+def discard_unstarted(plan: RunDir, config: RunConfig) -> None:
+    """Undo what a fresh run wrote before it stopped at a start-up config error: its ``config.yaml``, and the
+    folder when it is then empty and the run named it itself (no ``run.dir``), so the same ``run.dir`` takes
+    the corrected run without ``run.overwrite``. A resumed run's folder is left as it is."""
+    if plan.checkpoint is not None:
+        return
+    (plan.path / CONFIG_FILE).unlink(missing_ok=True)
+    if config.run.dir is None:
+        with contextlib.suppress(OSError):  # not empty: something else is there, keep it
+            plan.path.rmdir()
 
 
 def prepare_run_dir(plan: RunDir) -> None:

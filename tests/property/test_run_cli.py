@@ -336,3 +336,36 @@ def test_importing_the_run_command_leaves_matplotlib_for_the_plot() -> None:
     code = "import json, sys, shell.run\nprint(json.dumps('matplotlib' in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) is False
+
+
+def test_discard_unstarted_lets_the_same_run_dir_take_the_corrected_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a start-up config error a fresh run's config.yaml goes, so the same run.dir plans without
+    run.overwrite; a folder the run named itself goes too when empty, a given one stays; a resumed run keeps all."""
+    from shell.run_config import save_run_config
+    from shell.run_dir import CONFIG_FILE, discard_unstarted, plan_run_dir, prepare_run_dir
+
+    given = load_run_config([f"run.dir={tmp_path / 'given'}"])
+    plan = plan_run_dir(given, None)
+    prepare_run_dir(plan)
+    save_run_config(given, plan.path / CONFIG_FILE)
+    with pytest.raises(ConfigError, match="holds an earlier run"):
+        plan_run_dir(given, None)
+    discard_unstarted(plan, given)
+    assert plan.path.is_dir() and list(plan.path.iterdir()) == []
+    assert plan_run_dir(given, None).path == plan.path
+
+    monkeypatch.chdir(tmp_path)
+    named = load_run_config()
+    plan = plan_run_dir(named, None)
+    prepare_run_dir(plan)
+    save_run_config(named, plan.path / CONFIG_FILE)
+    discard_unstarted(plan, named)
+    assert not plan.path.exists()
+
+    run = _checkpoint(tmp_path / "resumed", step=3)
+    save_run_config(named, run / CONFIG_FILE)
+    resumed = plan_run_dir(load_run_config(["grpo.num_steps=8"]), str(run))
+    discard_unstarted(resumed, named)
+    assert (run / CONFIG_FILE).exists()
