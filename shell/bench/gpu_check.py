@@ -5,11 +5,17 @@ Runs in one process on one GPU, no Ray:
 * **NCCL broadcast.** ``torch.distributed`` on NCCL (world size 1: one GPU
   holds one NCCL rank), then :func:`shell.broadcast.broadcast_tensors` of a
   dense and a jagged tensor to ``cuda``; checks they arrive bit for bit.
-* **megatron-core on CUDA, unpatched.** :class:`adapters.megatron.MegatronGPTBackend`
+* **megatron-core on CUDA, without the CPU shim.** :class:`adapters.megatron.MegatronGPTBackend`
   with ``device="cuda"`` (the CPU shim is never applied in this process:
   checked), its log-probs of a seeded batch against the same backend on CPU
   (gloo, with the shim, in a child process), and the median wall time of a
   log-prob call and of a train step on each device.
+* **An MoE policy on CUDA with R3.** The same backend with ``MOE_MODEL``
+  (megatron's MoE layers, no Transformer Engine): the CPU child records its
+  routing of the batch; on CUDA that routing is replayed (the experts CUDA
+  dispatched must equal it), its log-probs compared with the CPU's replayed
+  ones, and one train step taken with the routing replayed (the router's
+  backward included).
 
 Prints one Markdown table. Exits 1 when a check fails, 2 without CUDA.
 """
@@ -34,6 +40,8 @@ from core.model_config import TinyGPTConfig
 
 MODEL = {"vocab_size": 32, "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "max_sequence_length": 64}
 """The checks' tiny GPT."""
+MOE_MODEL = {**MODEL, "num_experts": 4, "moe_topk": 2}
+"""The MoE check's GPT: the same sizes, each MLP megatron's MoE layer of 4 experts, top-2."""
 ROWS, WIDTH, REPEATS = 16, 48, 5
 
 
@@ -81,6 +89,21 @@ def _backend_run(device: str) -> tuple[torch.Tensor, float, float]:
     return logprobs, logprob_ms, train_ms
 
 
+def _moe_run(device: str, routed: torch.Tensor | None) -> dict[str, Any]:
+    """The MoE backend on ``device``: the routing it dispatches (replaying ``routed`` when given), its log-probs
+    under that routing, and the loss of one train step with that routing replayed."""
+    from adapters.megatron import MegatronGPTBackend
+    from shell.loss import GRPOLoss
+
+    backend = MegatronGPTBackend(TinyGPTConfig(**MOE_MODEL), tensor_parallel=1, pipeline_parallel=1, seed=0, device=device)
+    ids, lengths = _batch()
+    routing = backend.routing(ids, lengths, routed)
+    logprobs = backend.logprobs(ids, lengths, routing)
+    micro = {**_micro_batch(ids, lengths, logprobs), "routed_experts": routing}
+    result = backend.train_step([micro], GRPOLoss(kl_coef=0.0))
+    return {"routing": routing, "logprobs": logprobs.cpu(), "loss": float(result["loss"])}
+
+
 def _micro_batch(ids: torch.Tensor, lengths: torch.Tensor, logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
     """One micro-batch of the whole batch with the fields the GRPO loss reads (seeded advantages; every token
     after the first is a response token)."""
@@ -99,7 +122,8 @@ def _micro_batch(ids: torch.Tensor, lengths: torch.Tensor, logprobs: torch.Tenso
 def _cpu_child(out: Path) -> None:
     _init("gloo")
     logprobs, logprob_ms, train_ms = _backend_run("cpu")
-    torch.save({"logprobs": logprobs, "logprob_ms": logprob_ms, "train_ms": train_ms}, out)
+    moe = _moe_run("cpu", None)
+    torch.save({"logprobs": logprobs, "logprob_ms": logprob_ms, "train_ms": train_ms, "moe": moe}, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +170,19 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("log-probs, cuda vs cpu: max abs difference", f"{diff:.2e}", "< 1e-3"))
     rows.append(("log-prob call, ms (cuda / cpu)", f"{logprob_ms:.1f} / {cpu['logprob_ms']:.1f}", "-"))
     rows.append(("train step, ms (cuda / cpu)", f"{train_ms:.1f} / {cpu['train_ms']:.1f}", "-"))
+    try:
+        moe = _moe_run("cuda", cpu["moe"]["routing"])
+    except Exception as error:  # the MoE rows report it; the checks above still print
+        failed = True
+        rows.append(("MoE (4 experts, top-2) on cuda with R3", f"FAILED: {type(error).__name__}: {error}", "-"))
+    else:
+        replayed = torch.equal(moe["routing"], cpu["moe"]["routing"])
+        failed |= not replayed
+        rows.append(("MoE on cuda: dispatched experts = the CPU's replayed routing", "equal" if replayed else "DIFFER", "-"))
+        moe_diff = float((moe["logprobs"] - cpu["moe"]["logprobs"]).abs().max())
+        failed |= not moe_diff < 1e-3
+        rows.append(("MoE log-probs under R3, cuda vs cpu: max abs difference", f"{moe_diff:.2e}", "< 1e-3"))
+        rows.append(("MoE train step with R3, loss (cuda / cpu)", f"{moe['loss']:.6f} / {cpu['moe']['loss']:.6f}", "-"))
     print(f"\n**GPU checks: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
           f"{ROWS} rows of up to {WIDTH} tokens; times are medians of {REPEATS} calls**\n")
     print("| check | result | bound |\n|---|---|---|")
