@@ -46,8 +46,10 @@ Limits: every method is collective (all ranks call it, with the same inputs
 within a replica). An exception in ``loss_fn`` on the last stage leaves the
 other stages waiting in the schedule: the caller tears the group down. The
 state dict holds weights only, not Adam's moments. The ``"cuda"`` path runs
-megatron unpatched (``model_parallel_cuda_manual_seed``, NCCL) but is exercised
-only on GPU machines; the tests here run the CPU path.
+megatron without the CPU shim (``model_parallel_cuda_manual_seed``, NCCL; only
+``build_gpt``'s binding of a name megatron leaves unbound without Transformer
+Engine, on every device) and is exercised only on GPU machines
+(``python -m shell.bench.gpu_check``); the tests here run the CPU path.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ Invariants: the shim is idempotent (a second call changes nothing, and at most
 one remap is active per thread), is applied only when called (never at import),
 and only in the process that calls it. Call it only in a CPU worker process: it
 makes CUDA unusable there by design. The GPU path never calls it and runs
-megatron unpatched.
+megatron without it (:func:`adapters.megatron_setup.bind_absent_te_gemm`, which
+``build_gpt`` applies on every device, is not part of the shim).
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ class CudaToCpu(TorchFunctionMode):
 
 
 def _remapped_backward(apply: Callable[..., Any]) -> Callable[..., Any]:
-    """Patch 7: ``apply`` (a ``BackwardCFunction`` method, which runs a custom ``Function``'s backward) under a
+    """Patch 6: ``apply`` (a ``BackwardCFunction`` method, which runs a custom ``Function``'s backward) under a
     fresh :class:`CudaToCpu`, whatever the thread's remap count says (the backward pass runs with it popped)."""
 
     def remapped(self: Any, *args: Any) -> Any:

@@ -63,8 +63,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from core.model_config import TinyGPTConfig
 
 __all__ = [
-    "ORDER", "SequenceParallelLayerNorm", "build_gpt", "check_divides", "init_parallel_state", "int_arg",
-    "parallel_coords", "sequence_parallel", "transformer_config",
+    "ORDER", "SequenceParallelLayerNorm", "bind_absent_te_gemm", "build_gpt", "check_divides", "init_parallel_state",
+    "int_arg", "parallel_coords", "sequence_parallel", "transformer_config",
 ]
 
 ORDER = "tp-cp-ep-dp-pp"

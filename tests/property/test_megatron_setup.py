@@ -23,6 +23,8 @@ def unbound(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_router_gating_without_transformer_engine_raises_until_bound_then_is_a_matmul(unbound: None) -> None:
+    """megatron's router gating raises ``NameError`` with the name unbound; once bound (twice: idempotent) it is
+    ``inp @ weight.T``, the plain ``torch.mm`` path."""
     g = torch.Generator().manual_seed(0)
     inp, weight = torch.randn(2, 3, 8, generator=g), torch.randn(4, 8, generator=g)
     with pytest.raises(NameError, match="te_general_gemm"):
@@ -34,6 +36,7 @@ def test_router_gating_without_transformer_engine_raises_until_bound_then_is_a_m
 
 
 def test_bind_leaves_a_bound_name_alone(unbound: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name that is bound (Transformer Engine's gemm, say) is never replaced."""
     sentinel = object()
     monkeypatch.setattr(moe_utils, "te_general_gemm", sentinel, raising=False)
     bind_absent_te_gemm()
