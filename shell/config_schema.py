@@ -397,10 +397,10 @@ class PolicySection:
             raise ConfigError("policy.layout.tensor_parallel", f"must divide policy.model.num_attention_heads ({heads}): got {tp}")
         if layers % pp:
             raise ConfigError("policy.layout.pipeline_parallel", f"must divide policy.model.num_layers ({layers}): got {pp}")
-        ranks = self.layout.world_size if self.device == PolicyDevice.cuda else 1  # on CPU only its range counts
+        ranks = self.layout.world_size if self.device == PolicyDevice.cuda else 1  # on CPU: its range and grid only
         problem = gpu_share_problem(self.gpus_per_rank, ranks)
         if problem is not None:
-            raise ConfigError("policy.gpus_per_rank", f"must {problem}: got {self.gpus_per_rank:g}")
+            raise ConfigError("policy.gpus_per_rank", f"must {problem}: got {self.gpus_per_rank!r}")
         if self.replays_routing and not self.model.num_experts:
             raise ConfigError(
                 "policy.router_replay",

@@ -107,7 +107,7 @@ class PolicyConfig:
     layout: StepLayout = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        ranks = self.sharding.world_size if self.device == "cuda" else 1  # on CPU the share is unused: range only
+        ranks = self.sharding.world_size if self.device == "cuda" else 1  # on CPU (unused): its range and grid only
         problem = gpu_share_problem(self.gpus_per_rank, ranks)
         if problem is not None:
             raise ValueError(f"'gpus_per_rank' must {problem}: got {self.gpus_per_rank!r}")

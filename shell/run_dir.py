@@ -13,7 +13,9 @@
 :func:`prepare_run_dir` then creates the folder and makes it consistent:
 with ``run.overwrite`` the earlier run's files are deleted, and on resume the
 records of ``metrics.jsonl`` and ``samples.jsonl`` after the checkpoint's step
-are dropped, so every step appears once.
+are dropped, so every step appears once. If the run then stops at a start-up
+config error before its first step, :func:`discard_unstarted` takes back the
+``config.yaml`` it wrote, unless it continues a run in that folder.
 
 Invariant: every problem with the folder or the checkpoint is a
 :class:`ConfigError` naming ``run.dir``, ``--resume`` or ``grpo.num_steps``,
@@ -55,12 +57,14 @@ class RunDir:
         checkpoint: the loaded ``--resume`` checkpoint (``step``, ``weights``, ...), or None.
         first_step: the first step to run (1, or the checkpoint's step + 1).
         overwrite: the folder holds an earlier run whose files are deleted first.
+        continues: ``--resume`` continues the run in this folder (its checkpoint's own).
     """
 
     path: Path
     checkpoint: Mapping[str, Any] | None = attrs.field(default=None, eq=False, repr=False)
     first_step: int = 1
     overwrite: bool = False
+    continues: bool = False
 
 
 def plan_run_dir(config: RunConfig, resume: str | None) -> RunDir:
@@ -99,16 +103,20 @@ def plan_run_dir(config: RunConfig, resume: str | None) -> RunDir:
             f"{path} holds an earlier run ({', '.join(earlier)}): {how}choose a fresh run.dir, "
             f"or set run.overwrite=true to delete its files",
         )
-    return RunDir(path=path, checkpoint=checkpoint, first_step=first, overwrite=bool(earlier) and not continues)
+    return RunDir(
+        path=path, checkpoint=checkpoint, first_step=first, overwrite=bool(earlier) and not continues, continues=continues
+    )
 
 
 def discard_unstarted(plan: RunDir, config: RunConfig) -> None:
-    """Undo what a fresh run wrote before it stopped at a start-up config error: its ``config.yaml``, and the
-    folder when it is then empty and the run named it itself (no ``run.dir``), so the same ``run.dir`` takes
-    the corrected run without ``run.overwrite``. A resumed run's folder is left as it is."""
-    if plan.checkpoint is not None:
+    """Undo what a run wrote before it stopped at a start-up config error: its ``config.yaml``, and the folder
+    when it is then empty and the run named it itself (no ``run.dir``), so the same ``run.dir`` takes the
+    corrected run without ``run.overwrite``. A run that continues the one in its folder (``plan.continues``)
+    leaves it as it is. Best effort: a file it cannot remove stays (the caller is already reporting an error)."""
+    if plan.continues:
         return
-    (plan.path / CONFIG_FILE).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        (plan.path / CONFIG_FILE).unlink(missing_ok=True)
     if config.run.dir is None:
         with contextlib.suppress(OSError):  # not empty: something else is there, keep it
             plan.path.rmdir()

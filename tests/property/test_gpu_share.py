@@ -7,36 +7,66 @@ and only on Ray's 0.0001 grid in ``(0, 1]``.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core.gpu_share import GPU_SHARE_STEP, gpu_share_problem, gpus_needed
+from core.gpu_share import gpu_share_problem, gpus_needed
 from core.topology import NamedSharding
 from shell.policy import PolicyConfig
 from tests.property.test_gpus_needed import _first_fit_devices
 
 
-@given(units=st.integers(1, 10_000), ranks=st.integers(1, 16))
-def test_a_share_on_rays_grid_is_accepted_iff_every_rank_gets_a_device_of_its_own(units: int, ranks: int) -> None:
-    """Accepted iff first-fit packing of ``ranks`` shares of ``units / 10_000`` fills ``ranks`` devices (a lone
-    rank always does); then the ranks take ``ranks`` GPUs or more."""
-    share = units / 10_000
-    own = _first_fit_devices(units, ranks, per_device=10_000) == ranks
+def _ray_devices(share: float, ranks: int) -> int:
+    """Devices a first-fit packing fills with ``ranks`` actors of ``share``, in the units Ray counts (truncated)."""
+    return _first_fit_devices(int(share * 10_000), ranks, per_device=10_000)
+
+
+@given(share=st.floats(min_value=0, max_value=1, exclude_min=True), ranks=st.integers(1, 16))
+def test_an_accepted_share_is_one_ray_takes_and_gives_every_rank_a_device_of_its_own(share: float, ranks: int) -> None:
+    """Whatever float is asked for: an accepted share is at least Ray's unit and within float noise of a whole
+    number of units, and Ray's packing (first fit, in Ray's truncated units) puts no two of its ranks on a device."""
     problem = gpu_share_problem(share, ranks)
-    assert (problem is None) == own, problem
     if problem is None:
-        assert gpus_needed(share, ranks) >= ranks
-    else:
+        assert int(share * 10_000) >= 1 and abs(share * 10_000 - round(share * 10_000)) <= 1e-6
+        assert ranks == 1 or _ray_devices(share, ranks) == ranks
+        assert gpus_needed(share, ranks) == _ray_devices(share, ranks)
+
+
+@given(units=st.integers(1, 10_000), ranks=st.integers(1, 16))
+def test_a_whole_number_of_units_is_refused_only_when_two_ranks_would_share_a_device(units: int, ranks: int) -> None:
+    """On the grid, the only refusal is the NCCL one, exactly when Ray's packing puts two ranks on one device."""
+    share = units / 10_000
+    shared = _ray_devices(share, ranks) < ranks
+    problem = gpu_share_problem(share, ranks)
+    assert (problem is not None) == shared, problem
+    if problem is not None:
         assert problem.startswith(f"exceed 0.5 for a group of {ranks} ranks")
 
 
-@given(share=st.floats(allow_nan=True, allow_infinity=True), ranks=st.integers(1, 4))
-def test_a_share_off_the_grid_or_outside_0_1_is_refused(share: float, ranks: int) -> None:
-    """Outside ``(0, 1]``, NaN included, or finer than Ray's step: refused, whatever the ranks."""
-    if 0.0 < share <= 1.0 and abs(share / GPU_SHARE_STEP - round(share / GPU_SHARE_STEP)) <= 1e-6:
-        return
-    assert gpu_share_problem(share, ranks) is not None
+@pytest.mark.parametrize(
+    ("share", "ranks", "says"),
+    [
+        (0.0, 1, r"be in \(0, 1\]"), (-0.5, 1, r"be in \(0, 1\]"), (1.5, 1, r"be in \(0, 1\]"),
+        (float("nan"), 1, r"be in \(0, 1\]"), (float("inf"), 1, r"be in \(0, 1\]"),
+        (1e-11, 1, "be a multiple of 0.0001"), (5e-324, 2, "be a multiple of 0.0001"),  # below Ray's unit
+        (0.00005, 1, "be a multiple of 0.0001"), (0.30000001, 1, "be a multiple of 0.0001"),
+        (0.50009999999, 2, "exceed 0.5 for a group of 2 ranks"),  # Ray truncates it to 0.5: two ranks a device
+        (0.5, 2, "exceed 0.5"), (0.3, 4, r"exceed 0.5 for a group of 4 ranks \(Ray puts up to 3 ranks"),
+    ],
+)
+def test_shares_ray_would_refuse_truncate_or_pack_two_to_a_device_are_refused(share: float, ranks: int, says: str) -> None:
+    """Ray refuses less than one unit and truncates finer shares: both are refused here, with the reason."""
+    problem = gpu_share_problem(share, ranks)
+    assert problem is not None and re.match(says, problem), problem
+
+
+@pytest.mark.parametrize("share", [0.1 + 0.2, 0.3334, 0.5001, 1.0, 1, 0.0001])
+def test_float_noise_around_a_whole_number_of_units_is_accepted(share: float) -> None:
+    """0.1 + 0.2 is 0.30000000000000004: float noise, not a finer share."""
+    assert gpu_share_problem(share, 1) is None
 
 
 @pytest.mark.parametrize("share", [True, "0.5", None])

@@ -342,7 +342,8 @@ def test_discard_unstarted_lets_the_same_run_dir_take_the_corrected_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After a start-up config error a fresh run's config.yaml goes, so the same run.dir plans without
-    run.overwrite; a folder the run named itself goes too when empty, a given one stays; a resumed run keeps all."""
+    run.overwrite; a folder the run named itself goes too when empty, a given one stays; a run resumed in its own
+    folder keeps all, one resumed into another folder does not."""
     from shell.run_config import save_run_config
     from shell.run_dir import CONFIG_FILE, discard_unstarted, plan_run_dir, prepare_run_dir
 
@@ -367,5 +368,14 @@ def test_discard_unstarted_lets_the_same_run_dir_take_the_corrected_run(
     run = _checkpoint(tmp_path / "resumed", step=3)
     save_run_config(named, run / CONFIG_FILE)
     resumed = plan_run_dir(load_run_config(["grpo.num_steps=8"]), str(run))
+    assert resumed.continues
     discard_unstarted(resumed, named)
-    assert (run / CONFIG_FILE).exists()
+    assert (run / CONFIG_FILE).exists()  # the run it continues keeps its folder as it was
+
+    elsewhere = load_run_config(["grpo.num_steps=8", f"run.dir={tmp_path / 'elsewhere'}"])
+    moved = plan_run_dir(elsewhere, str(run))  # --resume into another folder: a new run there
+    assert not moved.continues
+    prepare_run_dir(moved)
+    save_run_config(elsewhere, moved.path / CONFIG_FILE)
+    discard_unstarted(moved, elsewhere)
+    assert list(moved.path.iterdir()) == [] and plan_run_dir(elsewhere, str(run)).path == moved.path
