@@ -84,8 +84,8 @@ def cuda_shortage(overrides: Sequence[str]) -> str | None:
     """Why this machine cannot run the bench's two trainers side by side with ``overrides``' policy on CUDA
     (each path's policy ranks at ``policy.gpus_per_rank``, both at once), or None (CPU policy, or GPUs enough).
 
-    Ray packs ``floor(1 / share)`` ranks of a share below one GPU on a device (:func:`core.gpu_share.gpus_needed`);
-    on one GPU, ``policy.gpus_per_rank=0.5`` fits both paths' single rank.
+    Ray packs ranks of a share below one GPU on a device as :func:`core.gpu_share.gpus_needed` counts; on one GPU,
+    ``policy.gpus_per_rank=0.5`` fits both paths' single rank.
 
     Raises:
         ConfigError: ``overrides`` do not load (it loads them as the bench will, so the CLI reports a bad override
