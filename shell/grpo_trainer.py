@@ -342,17 +342,14 @@ class GRPOTrainer:
         """The policy's worker group; a cluster short of the GPUs ``policy.device=cuda`` needs is a config error."""
         try:
             return Policy(self.policy_config, transport)
-        except ValueError as error:  # build_group's, caused by the group's GPUShortageError (its documented cause)
-            shortage = error if isinstance(error, GPUShortageError) else error.__cause__
-            if not isinstance(shortage, GPUShortageError):
-                raise
+        except GPUShortageError as shortage:
             ranks = "1 policy rank needs" if shortage.ranks == 1 else f"{shortage.ranks} policy ranks need"
             raise ConfigError(
                 "policy.device",
                 f"must be cpu on a Ray cluster without the GPUs of the policy ranks (the run's {ranks} "
                 f"{shortage.need:g} GPU{'' if shortage.need == 1 else 's'} at policy.gpus_per_rank="
                 f"{shortage.per_worker:g}, the cluster has {shortage.have:g}): got cuda",
-            ) from error
+            ) from shortage
 
     def _open_transport(self, say: Callable[[str], None]) -> Transport:
         """The legacy transport, or the data plane over a started (or given) store."""

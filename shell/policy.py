@@ -155,8 +155,8 @@ def build_group(
 
     Raises:
         RuntimeError: Ray is not initialised.
-        ValueError: ``device`` is ``"cuda"`` and the cluster has fewer GPUs than the ranks take; its cause is the
-            group's :class:`shell.worker_group.GPUShortageError`.
+        GPUShortageError: (a ``ValueError``) ``device`` is ``"cuda"`` and the cluster has fewer GPUs than the ranks
+            take, worded for the policy's ``device``; its cause is the group's own.
         WorkerError: a rank failed to start or to build its backend.
     """
     try:
@@ -173,9 +173,10 @@ def build_group(
             rank_options=rank_options(NodePlacement(config.placement), config.worker_resource, config.sharding.world_size),
         )
     except GPUShortageError as error:  # name the policy's own setting, not the group's
-        raise ValueError(
-            f"'device' is 'cuda': the policy's {error.ranks} ranks need {error.need:g} GPUs ({error.per_worker:g} "
-            f"each), the Ray cluster has {error.have:g}; give the cluster GPUs, or use device='cpu'"
+        raise GPUShortageError(
+            error.ranks, error.per_worker, error.need, error.have,
+            message=f"'device' is 'cuda': the policy's {error.ranks} ranks need {error.need:g} GPUs "
+            f"({error.per_worker:g} each), the Ray cluster has {error.have:g}; give the cluster GPUs, or use device='cpu'",
         ) from error
     try:
         group.call(PolicyWorker.setup)

@@ -132,13 +132,17 @@ class GPUShortageError(ValueError):
         per_worker: the GPUs each rank asks for (``num_gpus_per_worker``).
         need: the GPUs the ranks take together (:func:`gpus_needed`).
         have: the GPUs the Ray cluster has, on all its nodes.
+
+    ``message`` replaces the group's own wording, for a caller that names its own setting (``build_group``'s
+    ``'device' is 'cuda'``); the counts stay, so every layer above catches the one type.
     """
 
-    def __init__(self, ranks: int, per_worker: float, need: float, have: float) -> None:
+    def __init__(self, ranks: int, per_worker: float, need: float, have: float, message: str | None = None) -> None:
         self.ranks, self.per_worker, self.need, self.have = ranks, per_worker, need, have
         super().__init__(
-            f"'num_gpus_per_worker' is {per_worker:g}: the group's {ranks} ranks need {need:g} GPUs, the Ray cluster "
-            f"has {have:g}; give the cluster GPUs, or build a CPU group (num_gpus_per_worker=0)"
+            message
+            or f"'num_gpus_per_worker' is {per_worker:g}: the group's {ranks} ranks need {need:g} GPUs, the Ray "
+            f"cluster has {have:g}; give the cluster GPUs, or build a CPU group (num_gpus_per_worker=0)"
         )
 
 

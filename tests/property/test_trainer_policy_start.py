@@ -25,10 +25,11 @@ def _start_policy(monkeypatch: pytest.MonkeyPatch, failure: BaseException, *over
     return trainer._start_policy(transport=None)
 
 
-def _from_build_group(shortage: GPUShortageError) -> ValueError:
-    try:
-        raise ValueError("'device' is 'cuda': ...") from shortage  # as shell.policy.build_group re-raises it
-    except ValueError as error:
+def _from_build_group(shortage: GPUShortageError) -> GPUShortageError:
+    s = shortage
+    try:  # as shell.policy.build_group re-raises it: the same counts, the policy's wording
+        raise GPUShortageError(s.ranks, s.per_worker, s.need, s.have, message="'device' is 'cuda': ...") from shortage
+    except GPUShortageError as error:
         return error
 
 
@@ -45,7 +46,7 @@ def test_a_gpu_shortage_is_a_config_error_on_policy_device(
     monkeypatch: pytest.MonkeyPatch, ranks: int, share: float, need: float, have: float, says: str
 ) -> None:
     shortage = GPUShortageError(ranks=ranks, per_worker=share, need=need, have=have)
-    for failure in (_from_build_group(shortage), shortage):  # build_group's ValueError, or the group's own error
+    for failure in (_from_build_group(shortage), shortage):  # build_group's wording, or the group's own
         with pytest.raises(ConfigError) as info:
             _start_policy(monkeypatch, failure, f"policy.layout.data_parallel={ranks}", f"policy.gpus_per_rank={share}")
         assert info.value.key == "policy.device"
