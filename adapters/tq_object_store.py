@@ -93,7 +93,6 @@ import math
 import os
 import socket
 import uuid
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -105,23 +104,47 @@ from tensordict import TensorDict
 from transfer_queue.storage.bootstrap import StorageBootstrapProvider
 from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 
-from adapters.node_resource import resource_options
 from adapters.store_port import RESERVED_TAG_PREFIX
+from adapters.tq_row_index import (  # the index (a light module: its actor starts without torch); re-exported
+    BACKEND,
+    INDEX_NAME,
+    INDEX_NAMESPACE,
+    INDEX_RESOURCE,
+    ObjectStoreIndex,
+    Owners,
+    RowIndex,
+    find_index,
+    start_index,
+)
 
-BACKEND = "RayObjectStore"
-"""The backend's name in TQ's config (``backend.storage_backend``) and factories."""
-
-INDEX_NAME = "TransferQueueObjectStoreIndex"
-INDEX_NAMESPACE = "transfer_queue"
+__all__ = [
+    "BACKEND",
+    "INDEX_NAME",
+    "INDEX_NAMESPACE",
+    "INDEX_RESOURCE",
+    "INLINE_BYTES",
+    "OWNERS",
+    "STARTED_INDEX",
+    "Frame",
+    "ObjectStoreIndex",
+    "Owners",
+    "RayObjectStorageManager",
+    "RowIndex",
+    "StagedColumns",
+    "assemble_column",
+    "field_schema",
+    "find_index",
+    "frame_column",
+    "gather_rows",
+    "start_index",
+    "unframe",
+]
 
 _WRITER = f"pid {os.getpid()} on {socket.gethostname()}"
 """How the index names this process as a writer (in the error when its rows are lost)."""
 
 INLINE_BYTES = 64 << 10
 """Columns of fewer bytes are kept in the index's memory rather than as objects of their own."""
-
-Owners = tuple[str, Sequence[str]]
-"""``(partition id, [key of each row])``: whose rows a put's columns hold (see :data:`OWNERS`)."""
 
 OWNERS = "kv_row_owners"
 """The ``extra_info`` entry by which the adapter (:mod:`adapters.transfer_queue`) tells this backend the
@@ -346,264 +369,6 @@ def field_schema(frames: Mapping[str, Frame]) -> dict[str, dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- the index
-
-
-class RowIndex:
-    """The live columns, and which column holds each ``(global index, field)``: the index's logic, without Ray.
-
-    A column's ``stored`` value is opaque here (an object ref and the field inside the put's object, or a frame).
-
-    Invariants (``tests/property/test_tq_object_store.py`` states them as laws):
-      * :meth:`locate` answers, for each ``(global index, field)``, the column and row of the latest
-        :meth:`register` of it since the index was last cleared, or ``missing``;
-      * given owners, it never answers a row that a put registered under another partition or key: it
-        reports ``reused`` instead;
-      * :meth:`locate_keys` answers, for each key, the global index whose latest register named that key (no
-        clear or register without owners there since, and no later register of the key elsewhere), or
-        ``unknown``;
-      * a column is counted by :meth:`stats` exactly while one of its rows is the latest of its
-        ``(global index, field)``: after every index is cleared, none is;
-      * :meth:`locate_keys` with ``tags`` answers each key's reserved tags merged, new values winning, from the puts
-        that named it since its row's last clear, or reports the first key whose row a put without owners, or a
-        failed put (:meth:`forget_keys`), reached since that clear.
-    """
-
-    def __init__(self) -> None:
-        # column id -> [object ref, live rows, writer, owners: (partition, [key of each row]) or None]
-        self._columns: dict[str, list[Any]] = {}
-        self._rows: dict[int, dict[str, tuple[str, int]]] = {}  # global index -> {field: (column id, row)}
-        # The key each global index was last put under, by a put that named its owners, and back.
-        self._index_of: dict[tuple[str, str], int] = {}
-        self._key_of: dict[int, tuple[str, str]] = {}
-        # Global indexes where a put that named its owners added a wire field beside another wire field of the same
-        # user field (a rewrite in another kind, dtype or shape): which of the two is current, only the keys' tags say.
-        self._shadowed: set[int] = set()
-        # The reserved tags (integrity digests) that the puts naming an index's key merged into its tags, since the
-        # index's last clear or change of key: what TQ's controller holds of them, unless the index is in
-        # ``_untagged`` (a put without owners, or a failed put, may have changed the controller's), until a clear.
-        self._tags: dict[int, dict[str, Any]] = {}
-        self._untagged: set[int] = set()
-
-    def register(
-        self,
-        writer: str,
-        puts: Sequence[tuple[str, str, list[Any], Sequence[int]]],
-        owners: Owners | None = None,
-        tags: Sequence[Mapping[str, Any]] | None = None,
-    ) -> None:
-        """Record columns ``(field, column id, [stored], global indexes)`` put by ``writer``, where ``stored`` is
-        ``(object ref, field)`` for a column inside a put's shared object and ``(frame, None)`` for one kept here;
-        row ``i`` of a column holds global index ``indexes[i]``, of key ``owners[1][i]`` in partition
-        ``owners[0]`` when ``owners`` is given. Releases the rows they overwrite.
-
-        ``tags[i]`` (with ``owners``) are the reserved tags the put merges into row ``i``'s key's tags (see
-        :meth:`locate_keys`); a put without owners leaves the tags of its rows unknown here until they are
-        cleared."""
-        for i, (field, column, (stored,), indexes) in enumerate(puts):
-            self._columns[column] = [stored, len(indexes), writer, owners]
-            base = _user_field(field) if owners is not None else None
-            for row, index in enumerate(indexes):
-                if i == 0:  # every column of a put holds the same rows: record their keys and tags once
-                    self._own(index, None if owners is None else (owners[0], owners[1][row]))
-                    if owners is None:
-                        self._untagged.add(index)
-                    elif tags is not None and tags[row]:
-                        self._tags.setdefault(index, {}).update(tags[row])
-                fields = self._rows.setdefault(index, {})
-                old = fields.get(field)
-                if old is None and base is not None and fields and any(_user_field(f) == base for f in fields):
-                    self._shadowed.add(index)
-                fields[field] = (column, row)
-                if old is not None:
-                    self._release(old[0], 1)
-
-    def locate_keys(
-        self,
-        partition: str,
-        keys: Sequence[str],
-        fields: Sequence[str],
-        *,
-        sole: bool = False,
-        tags: Sequence[str] | None = None,
-    ) -> dict[str, Any]:
-        """:meth:`locate` of the global indexes that ``keys`` of ``partition`` were last put at (by puts that named
-        their owners), with those indexes under ``"indexes"``; or ``{"unknown": key}`` for the first key the index
-        holds no row of. A caller that also asked TQ's controller keeps this answer only when the controller's
-        global indexes are the same (the index may be behind or ahead of it).
-
-        With ``sole``, also ``{"shadowed": key}`` for the first key whose row holds two wire fields of one user
-        field, any field, asked for or not (a rewrite in another kind, dtype or shape, put through the adapter, since
-        the row's last clear): only the key's tags tell which is current, so a caller that reads without TQ's lookup
-        (:meth:`RayObjectStorageManager.read_by_key`) does not read such a row.
-
-        With ``tags`` (reserved tag names: only a put's reserved tags, the integrity digests, are kept here), also
-        ``"tags"``: per key, those of ``tags`` that the puts naming it merged into its tags since its row's last
-        clear, as TQ's controller holds them; or ``{"untagged": key}`` for the first key whose tags the controller
-        may hold otherwise (a put that named no owners or that failed, see :meth:`forget_keys`, reached its row
-        since the row's last clear)."""
-        indexes = []
-        for key in keys:
-            index = self._index_of.get((partition, key))
-            if index is None:
-                return {"unknown": key}
-            if sole and index in self._shadowed:
-                return {"shadowed": key}
-            if tags is not None and index in self._untagged:
-                return {"untagged": key}
-            indexes.append(index)
-        found = self.locate(indexes, fields, (partition, keys))
-        found["indexes"] = indexes
-        if tags is not None and "locations" in found:
-            held = [self._tags.get(index, {}) for index in indexes]
-            found["tags"] = [{name: tag[name] for name in tags if name in tag} for tag in held]
-        return found
-
-    def locate(self, indexes: Sequence[int], fields: Sequence[str], owners: Owners | None = None) -> dict[str, Any]:
-        """Where the rows of ``fields`` at ``indexes`` are: ``{"locations": {field: [runs, [row in its column of
-        each index]]}, "columns": {column id: [stored, writer]}}``, where ``runs`` (``[[column id, count], ...]``)
-        says which column holds each index's row: the first ``count`` indexes' rows are in the first column, and
-        so on (one run when one put wrote them all); or ``{"missing": [field, global index]}`` for the first row
-        it does not hold; or, when ``owners`` (the partition and the key of each index, as the caller's lookup
-        found them) is given, ``{"reused": [field, global index, [partition, key] stored there]}`` for the first
-        row that a put registered under another partition or key.
-
-        The reply is lists of strings and ints, which Ray's reply encoding carries natively (a tuple per row
-        would be pickled one by one), with each column id once per run rather than once per row.
-        """
-        locations: dict[str, list[list[Any]]] = {}
-        wanted: dict[str, None] = {}
-        for field in fields:
-            runs: list[list[Any]] = []
-            rows: list[int] = []
-            for i, index in enumerate(indexes):
-                where = self._rows.get(index, {}).get(field)
-                if where is None:
-                    return {"missing": [field, index]}
-                column, row = where
-                if owners is not None:
-                    stored = self._columns[column][3]
-                    if stored is not None and (stored[0] != owners[0] or stored[1][row] != owners[1][i]):
-                        return {"reused": [field, index, [stored[0], stored[1][row]]]}
-                if runs and runs[-1][0] == column:
-                    runs[-1][1] += 1
-                else:
-                    runs.append([column, 1])
-                    wanted[column] = None
-                rows.append(row)
-            locations[field] = [runs, rows]
-        return {"locations": locations, "columns": {c: [self._columns[c][0], self._columns[c][2]] for c in wanted}}
-
-    def clear(self, indexes: Sequence[int]) -> None:
-        """Release every field of the rows at ``indexes`` (unknown ones are ignored)."""
-        released: Counter[str] = Counter()
-        for index in indexes:
-            released.update(column for column, _row in self._rows.pop(index, {}).values())
-            self._own(index, None)
-            self._shadowed.discard(index)
-            self._tags.pop(index, None)
-            self._untagged.discard(index)
-        for column, count in released.items():
-            self._release(column, count)
-
-    def clear_owned(self, partition: str, keys: Sequence[str], indexes: Sequence[int]) -> None:
-        """:meth:`clear` of each of ``indexes`` whose rows key ``keys[i]`` of ``partition`` still holds there, or no
-        known key does (a put that named no owners, or whose keys were forgotten, wrote them); an index that a put
-        has since given another key keeps that put's rows.
-
-        This is the index's half of a clear that releases the global indexes in TQ's controller at the same time
-        (:meth:`adapters.transfer_queue.TransferQueueStore._drop_and_release`): a put may take a released index and reach the index
-        first."""
-        self.clear([index for key, index in zip(keys, indexes) if self._key_of.get(index) in (None, (partition, key))])
-
-    def forget_keys(self, partition: str, keys: Sequence[str]) -> None:
-        """Stop answering ``keys`` of ``partition`` by key (:meth:`locate_keys` reports them unknown until a later
-        put names them again); their rows stay, and :meth:`locate` by global index still finds them.
-
-        A put that failed after its rows reached the index calls this: its keys' tags were set back, or the keys
-        dropped, so which rows and fields the keys hold now, and which tags, only TQ's lookup can say: their rows'
-        tags stay unknown here (:meth:`locate_keys` with ``tags``) until the rows are cleared."""
-        for key in keys:
-            index = self._index_of.pop((partition, key), None)
-            if index is not None and self._key_of.get(index) == (partition, key):
-                del self._key_of[index]
-                self._untagged.add(index)
-
-    def stats(self) -> dict[str, int]:
-        """``columns`` (live column objects) and ``rows`` (global indexes holding a field)."""
-        return {"columns": len(self._columns), "rows": len(self._rows)}
-
-    def _own(self, index: int, key: tuple[str, str] | None) -> None:
-        """Record that global index ``index`` is now ``key``'s (None: no known key's); another key's tags go."""
-        old = self._key_of.pop(index, None)
-        if old != key:
-            self._tags.pop(index, None)
-        if old is not None and self._index_of.get(old) == index:
-            del self._index_of[old]
-        if key is not None:
-            stale = self._index_of.get(key)
-            if stale is not None and stale != index:
-                self._key_of.pop(stale, None)
-            self._index_of[key] = index
-            self._key_of[index] = key
-
-    def _release(self, column: str, count: int) -> None:
-        entry = self._columns.get(column)
-        if entry is None:
-            return
-        entry[1] -= count
-        if entry[1] <= 0:
-            del self._columns[column]
-
-
-def _user_field(wire: str) -> str:
-    """The user field of an adapter's wire field ``name@kind.dtype.shape`` (see :func:`adapters.tq_wire.wire_name`)."""
-    return wire.rpartition("@")[0]
-
-
-@ray.remote(num_cpus=0)
-class ObjectStoreIndex(RowIndex):
-    """:class:`RowIndex` as one Ray actor per TQ system.
-
-    Borrows every column object (its writer owns it); serves one call at a
-    time, so its counts are consistent.
-    """
-
-
-INDEX_RESOURCE = "required_node_resource"
-"""The key of TQ's config section ``backend.RayObjectStore`` that names a custom node resource the index needs
-(null: any node; as ``backend.SimpleStorage.required_node_resource`` places SimpleStorage's units). The index
-receives every column smaller than :data:`INLINE_BYTES` of every put, so on a cluster it decides which node's
-links carry those bytes: with a resource that only worker nodes have, the driver's node carries none of them."""
-
-
-def start_index(resource: str | None = None) -> Any:
-    """Start this TQ system's index actor (named :data:`INDEX_NAME`); the caller owns it.
-
-    Args:
-        resource: a custom node resource: the index runs on a node that has it (Ray picks which); None: where Ray
-            puts it (its default policy prefers the caller's node).
-
-    Raises:
-        ValueError: no alive node of the Ray cluster has ``resource`` (checked first: Ray would leave the actor
-            pending for ever).
-    """
-    options = resource_options(resource, f"backend.{BACKEND}.{INDEX_RESOURCE}")
-    return ObjectStoreIndex.options(name=INDEX_NAME, namespace=INDEX_NAMESPACE, lifetime=None, **options).remote()
-
-
-def find_index() -> Any:
-    """The running index actor.
-
-    Raises:
-        RuntimeError: none runs on this Ray cluster.
-    """
-    try:
-        return ray.get_actor(INDEX_NAME, namespace=INDEX_NAMESPACE)
-    except ValueError:
-        raise RuntimeError(
-            f"no {BACKEND} index is running on this Ray cluster (actor {INDEX_NAME!r} in namespace {INDEX_NAMESPACE!r}): "
-            "start TransferQueue with this backend first"
-        ) from None
 
 
 STARTED_INDEX = "started_index"

@@ -59,3 +59,27 @@ def test_adapters_public_face_loads_no_runtime() -> None:
     out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert out["loaded"] == []
     assert {"DataPlaneClient", "MemoryStore", "PolicyBackend", "RESERVED_TAG_PREFIX"} <= set(out["names"])
+
+
+def test_adapters_loads_each_exported_name_from_its_module_on_first_access() -> None:
+    """``adapters.X`` is the object its home module defines, for every name of ``adapters.__all__``; an unknown name
+    is an ``AttributeError`` naming it."""
+    import importlib
+
+    import adapters
+
+    for name in adapters.__all__:
+        assert getattr(adapters, name) is getattr(importlib.import_module(adapters._HOMES[name]), name), name
+    with pytest.raises(AttributeError, match="'NoSuchPort'"):
+        adapters.NoSuchPort  # noqa: B018
+
+
+def test_the_row_index_actor_module_loads_neither_torch_nor_tensordict_nor_transfer_queue() -> None:
+    """The ``RayObjectStore`` index actor's process imports ``adapters.tq_row_index`` alone: it must stay light, or
+    the actor's start takes seconds and its process hundreds of MiB (it holds only row locations and refs)."""
+    code = (
+        "import json, sys, adapters.tq_row_index\n"
+        "print(json.dumps([m for m in ('torch', 'tensordict', 'transfer_queue', 'numpy') if m in sys.modules]))\n"
+    )
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout)
+    assert loaded == []
