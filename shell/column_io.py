@@ -2,6 +2,8 @@
 
 * :func:`first_write`: the rollout's one bulk put. Per-token fields go on the
   wire jagged (``core.codec.pack_fields``), so padding never travels.
+  :func:`first_write_behind` is the same put with its store I/O on an
+  executor: the caller gets the receipt at once and a future of the write.
 * :func:`read_columns`: read columns by a meta's keys; per-token fields come
   back padded to the step's ``global_forward_pad_seqlen`` when the meta
   carries one (so every DP rank forwards at the same length).
@@ -17,6 +19,7 @@ fields unchanged.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +27,7 @@ import torch
 from tensordict import TensorDict
 
 from adapters.rows import build_tensordict, read_columns_of
-from adapters.store_port import DataPlaneClient
+from adapters.store_port import DataPlaneClient, validate_put
 from core.codec import Layout, is_jagged, materialize, pack_fields, to_jagged
 from core.fields import GLOBAL_FORWARD_PAD_SEQLEN
 from core.meta import KVBatchMeta
@@ -70,12 +73,62 @@ def first_write(
         ValueError: a token field is missing or narrower than its rows, or
             sizes do not match (see ``core.codec.pack_fields`` and the port).
     """
+    wire = _wire(fields, keys, lengths, token_fields)
+    receipt = client.put(keys, partition_id, wire, tags=tags, sequence_lengths=lengths)
+    return receipt.with_extra_info(**dict(extra_info or {}))
+
+
+def first_write_behind(
+    client: DataPlaneClient,
+    fields: TensorDict | Columns,
+    *,
+    executor: concurrent.futures.Executor,
+    keys: Sequence[str],
+    partition_id: str,
+    lengths: Sequence[int],
+    token_fields: Collection[str],
+    tags: Sequence[Mapping[str, Any]] | None = None,
+    extra_info: Mapping[str, Any] | None = None,
+) -> tuple[KVBatchMeta, concurrent.futures.Future[KVBatchMeta]]:
+    """:func:`first_write` with its store I/O on ``executor``: the receipt now, the write behind it.
+
+    What needs no store runs here, in the caller, before anything is
+    submitted: the codec (``core.codec.pack_fields``) and the port's checks
+    (:func:`adapters.store_port.validate_put`, which builds the receipt every
+    adapter returns), so bad input raises here and nothing is written. The
+    put runs on ``executor``; its future resolves to the same receipt once the
+    rows are stored, or raises the put's error (the adapter has then written
+    nothing, as for a synchronous put: adapter-level checks, such as an
+    unsupported dtype, raise there).
+
+    No reader or clear of these keys may start before the future resolves:
+    whoever hands the keys on waits for it first (the driver's transport does:
+    :meth:`shell.transport.DataPlaneTransport.admit`'s ``landed``).
+
+    Returns:
+        ``(receipt, future)``: ``receipt`` as :func:`first_write` returns it,
+        and the write's future (resolving to the store's receipt, equal to it).
+
+    Raises:
+        ValueError, TypeError: as :func:`first_write`, before any I/O.
+    """
+    wire = _wire(fields, keys, lengths, token_fields)
+    receipt = validate_put(keys, partition_id, wire, tags=tags, sequence_lengths=lengths)
+    receipt = receipt.with_extra_info(**dict(extra_info or {}))
+
+    def write() -> KVBatchMeta:
+        stored = client.put(keys, partition_id, wire, tags=tags, sequence_lengths=lengths)
+        return stored.with_extra_info(**dict(extra_info or {}))
+
+    return receipt, executor.submit(write)
+
+
+def _wire(fields: TensorDict | Columns, keys: Sequence[str], lengths: Sequence[int], token_fields: Collection[str]) -> TensorDict:
+    """A first write's wire batch: the token fields jagged (``core.codec.pack_fields``), the rest as they are."""
     columns = _columns(fields)
     tensors = {k: v for k, v in columns.items() if isinstance(v, torch.Tensor)}
     packed = pack_fields(tensors, lengths=lengths, token_fields=token_fields)
-    wire = build_tensordict({**columns, **packed}, len(keys))
-    receipt = client.put(keys, partition_id, wire, tags=tags, sequence_lengths=lengths)
-    return receipt.with_extra_info(**dict(extra_info or {}))
+    return build_tensordict({**columns, **packed}, len(keys))
 
 
 def read_columns(

@@ -9,7 +9,11 @@ temperature, scores them with the task, and then either
   (:func:`shell.column_io.first_write`) under keys ``f"{uid}_g{i}"`` (with,
   for the async trainer, each key tagged with its ``weight_version`` and the
   behaviour policy's per-token ``generation_logprobs`` written beside the
-  tokens) and returns only the receipt and the carry; or
+  tokens) and returns only the receipt and the carry; with
+  ``write_behind=True`` it returns them as soon as the batch is scored and
+  makes the write on a thread of its own
+  (:func:`shell.column_io.first_write_behind`), which ``wait_write`` waits
+  for; or
 * legacy (no partition): returns the same keys and lengths plus the bulk batch
   itself, which then travels through the driver.
 
@@ -20,6 +24,7 @@ sampling generator is seeded from ``(seed, step, batch_index)`` alone.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,8 +40,8 @@ from core.model_config import TinyGPTConfig
 from core.rollout_carry import RolloutCarry
 from core.step_plan import LEGACY_PARTITION
 from core.task import EOS_ID, Prompt, Task
-from shell.column_io import first_write
-from shell.model_worker import ModelWorker
+from shell.column_io import first_write, first_write_behind
+from shell.model_worker import ClientFactory, ModelWorker
 from shell.metering import client_io
 from shell.run_task import checked_rewards
 from shell.step_rows import StepRows
@@ -102,7 +107,8 @@ class RolloutResult:
         carry: per-row rewards, lengths, groups, question ids and truncation flags.
         rows: the batch's meta (keys, lengths, fields) and, on the legacy path,
             its bulk batch: ``input_ids`` [N, S], ``token_mask`` [N, S], ``lengths`` [N].
-        store_io: the engine's store activity (``{"ms", "bytes"}``; zeros on the legacy path).
+        store_io: the engine's store activity (``{"ms", "bytes"}``; zeros on the legacy path, and for a write
+            behind, whose activity :meth:`RolloutWorker.wait_write` returns).
         responses: the decoded response text of the first rows (for logging samples).
         entropy: per row, the summed entropy (nats) of the distributions its response tokens were drawn from.
         response_tokens: per row, the number of response tokens (the EOS included).
@@ -127,6 +133,11 @@ class RolloutWorker(ModelWorker):
 
     CONFIG = RolloutConfig
     config: RolloutConfig
+
+    def __init__(self, config: Any, client_factory: ClientFactory | None = None) -> None:
+        super().__init__(config, client_factory)
+        self._writing: concurrent.futures.Future[KVBatchMeta] | None = None  # the write behind in flight
+        self._write_pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on the first write behind
 
     @on_all_ranks
     def setup(self) -> None:
@@ -162,6 +173,7 @@ class RolloutWorker(ModelWorker):
         uids: Sequence[str] | None = None,
         weight_version: int | None = None,
         record_logprobs: bool = False,
+        write_behind: bool = False,
     ) -> RolloutResult:
         """Sample ``num_generations`` responses per prompt, score them, and write or return the batch.
 
@@ -182,6 +194,10 @@ class RolloutWorker(ModelWorker):
             weight_version: tag every key with ``weight_version`` (the version of the weights sampling now).
             record_logprobs: also write (or return) ``generation_logprobs`` [N, S], each response
                 token's log-probability under the distribution it was drawn from.
+            write_behind: (data plane) return the receipt once the batch is scored and the write's input is
+                checked, and write it on the engine's writer thread; the caller must call :meth:`wait_write`
+                before anyone reads or clears the keys. A write behind that no ``wait_write`` collected is
+                waited for (and its error raised) by the next ``generate``.
 
         Raises:
             ValueError: no prompts, ``num_generations`` < 1, ``uids`` not one per prompt, or a
@@ -241,13 +257,52 @@ class RolloutWorker(ModelWorker):
             batch = build_tensordict({**columns, LENGTHS: lengths}, len(encoded))
             meta = KVBatchMeta(LEGACY_PARTITION, keys, fields=list(columns), sequence_lengths=lengths.tolist(), tags=tags)
             return RolloutResult(carry, StepRows(meta, batch), {"ms": 0.0, "bytes": 0.0}, text, entropy, response_tokens)
+        self._collect_write()  # writes land in order; one left uncollected raises here
+        token_fields = [name for name in ROLLOUT_TOKEN_FIELDS if name in columns]
+        if write_behind:
+            meta, self._writing = first_write_behind(
+                self._client,  # type: ignore[arg-type]
+                columns,
+                executor=self._writer(),
+                keys=keys,
+                partition_id=partition_id,
+                lengths=lengths.tolist(),
+                token_fields=token_fields,
+                tags=tags,
+            )
+            return RolloutResult(carry, StepRows(meta), {"ms": 0.0, "bytes": 0.0}, text, entropy, response_tokens)
         meta = first_write(
             self._client,  # type: ignore[arg-type]
             columns,
             keys=keys,
             partition_id=partition_id,
             lengths=lengths.tolist(),
-            token_fields=[name for name in ROLLOUT_TOKEN_FIELDS if name in columns],
+            token_fields=token_fields,
             tags=tags,
         )
         return RolloutResult(carry, StepRows(meta), client_io(self._client), text, entropy, response_tokens)
+
+    @on_all_ranks
+    def wait_write(self) -> dict[str, float]:
+        """Wait until the last write behind (``generate(..., write_behind=True)``) is stored; the engine's store
+        activity since it was last reported (``{"ms", "bytes", ...}``, as ``RolloutResult.store_io``).
+
+        Returns at once when no write is in flight.
+
+        Raises:
+            Exception: the write's own error (the store then holds nothing of it).
+        """
+        self._collect_write()
+        return client_io(self._client) if self._client is not None else {"ms": 0.0, "bytes": 0.0}
+
+    def _collect_write(self) -> None:
+        """Wait for the write behind in flight, if any, and raise its error."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
+
+    def _writer(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The engine's writer thread (one, so writes behind land in the order they were made)."""
+        if self._write_pool is None:
+            self._write_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="write-behind")
+        return self._write_pool

@@ -28,7 +28,7 @@ import os
 import pickle
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -211,6 +211,19 @@ class RolloutSource:
         except WorkerError as error:
             raise _named("the rollout engine", method.__name__, str(error)) from error
 
+    def _write_landed(self) -> Callable[[], Mapping[str, float]]:
+        """A wait for the engine's write behind, asked for now (the engine answers once the write is stored);
+        its failure is a :class:`WorkerError` naming the rollout engine."""
+        refs = self.group.submit(RolloutWorker.wait_write)
+
+        def landed() -> Mapping[str, float]:
+            try:
+                return self.group.collect(refs, RolloutWorker.wait_write)[0]
+            except WorkerError as error:
+                raise _named("the rollout engine", "wait_write", str(error)) from error
+
+        return landed
+
     def _engine_dead(self) -> bool:
         """Whether the engine fails a ping (a ``Worker.process_id`` call) within ``_PING_S``; busy is not dead."""
         from shell.worker import Worker
@@ -253,6 +266,7 @@ class RolloutSource:
         for batch_index in range(limit):
             prompts = self.config.task.instance.prompts(self.config.seed, step * limit + batch_index, target)
             started = time.perf_counter()
+            write_behind = transport.partition_id is not None
             with timer.phase("rollout"):
                 result = self._call_engine(
                     RolloutWorker.generate,
@@ -263,10 +277,12 @@ class RolloutSource:
                     partition_id=transport.partition_id,
                     num_texts=self.config.run.samples_to_log,
                     key_prefix=self.key_prefix,
+                    write_behind=write_behind,
                 )
             wait += time.perf_counter() - started
             batches.append(result)
-            transport.admit(result.rows, result.store_io)
+            # The engine writes the batch while the driver plans the step; the transport waits for it first.
+            transport.admit(result.rows, result.store_io, landed=self._write_landed() if write_behind else None)
             keep: Sequence[int] = range(result.carry.size)
             if dapo:
                 with timer.phase("dapo"):

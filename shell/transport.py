@@ -11,7 +11,9 @@ batch itself. Both transports shard the same meta with the same core function
                        :class:`LegacyTransport`                    :class:`DataPlaneTransport`
 =====================  ==========================================  ==============================================
 rollout output         returned to the driver (``partition_id``    written once to the store under the keys
-                       None)
+                       None)                                       (the sync trainer's engine writes behind: the
+                                                                   transport waits for the write, ``admit``'s
+                                                                   ``landed``, before a rank gets the keys)
 rank inputs            driver slices and pads each rank's rows     a :class:`~shell.rank_input.StoreShard`: the
                        (:class:`~shell.rank_input.InlineShard`)    meta shard; the worker fetches by key
 results                gathered through the driver into the batch  written back by each replica leader
@@ -28,12 +30,16 @@ Invariants:
     (``tests/e2e/test_policy_parity_data.py``);
   * a data-plane transport clears every key it was told about (``admit``) by
     ``finish``, ``discard`` or ``abort``: after a step, finished or failed,
-    the store holds none of its keys.
+    the store holds none of its keys;
+  * no admitted write is in flight when a data-plane transport reads, writes
+    or clears rows or hands a rank its keys: it waits for each write behind
+    (``admit``'s ``landed``) first, once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -102,8 +108,16 @@ class Transport(Protocol):
         """How each worker opens its store client (None: workers need none)."""
         ...
 
-    def admit(self, rows: StepRows, store_io: Mapping[str, float]) -> None:
-        """Note a generation batch the step now owns (its keys, its bulk bytes, the rollout's store I/O)."""
+    def admit(
+        self, rows: StepRows, store_io: Mapping[str, float], *, landed: Callable[[], Mapping[str, float]] | None = None
+    ) -> None:
+        """Note a generation batch the step now owns (its keys, its bulk bytes, the rollout's store I/O).
+
+        ``landed``: the batch's write may still be in flight (the engine writes behind,
+        :func:`shell.column_io.first_write_behind`); a call that waits until it is stored and returns the
+        rollout's store I/O, or raises the write's error. The transport calls it once, before anything reads,
+        writes or clears these rows, or hands their keys to a rank.
+        """
         ...
 
     def discard(self, rows: StepRows) -> None:
@@ -194,7 +208,11 @@ class LegacyTransport:
     def __init__(self) -> None:
         self._bytes = 0
 
-    def admit(self, rows: StepRows, store_io: Mapping[str, float]) -> None:
+    def admit(
+        self, rows: StepRows, store_io: Mapping[str, float], *, landed: Callable[[], Mapping[str, float]] | None = None
+    ) -> None:
+        if landed is not None:  # nothing of the legacy path is written; wait all the same, so no error is lost
+            landed()
         self._bytes += tensor_bytes(rows.batch)
 
     def discard(self, rows: StepRows) -> None:
@@ -285,12 +303,37 @@ class DataPlaneTransport:
         self._io = {"ms": 0.0, "bytes": 0.0}
         self._by_call: dict[str, float] = {}  # "<process> <op>" -> ms this step
         self._bytes = 0
+        self._landing: list[Callable[[], Mapping[str, float]]] = []  # admitted writes still in flight, in order
 
-    def admit(self, rows: StepRows, store_io: Mapping[str, float]) -> None:
+    def admit(
+        self, rows: StepRows, store_io: Mapping[str, float], *, landed: Callable[[], Mapping[str, float]] | None = None
+    ) -> None:
         self._open.update(dict.fromkeys(rows.meta.keys))
         self._add_io(store_io, "rollout")
+        if landed is not None:
+            self._landing.append(landed)
+
+    def _settle(self) -> None:
+        """Wait for every admitted write still in flight (see ``admit``'s ``landed``), in order; count its I/O.
+
+        Raises:
+            Exception: the first write that failed, with its own error (the writes after it are still waited for,
+                so none is in flight once this returns or raises).
+        """
+        failure: Exception | None = None
+        while self._landing:
+            io: Mapping[str, float] = {}
+            try:
+                io = self._landing[0]()
+            except Exception as error:
+                failure = failure or error
+            self._landing.pop(0)  # not on an interrupt: ``abort`` then waits for this write again
+            self._add_io(io, "rollout")
+        if failure is not None:
+            raise failure
 
     def discard(self, rows: StepRows) -> None:
+        self._settle()
         self._clear(rows.meta.keys)
 
     def rank_inputs(
@@ -309,6 +352,7 @@ class DataPlaneTransport:
         """
         if keep and len(keep) != len(shards):
             raise ValueError(f"'keep' must hold one key set per shard ({len(shards)}): got {len(keep)}")
+        self._settle()  # a rank reads its shard as soon as it gets it
         inputs: list[RankInput] = []
         for r, shard in enumerate(shards):
             columns = {name: rows_ for name in fields if (rows_ := self._held_rows(shard.keys, name)) is not None}
@@ -331,6 +375,7 @@ class DataPlaneTransport:
         stored = {n: c for n, c in columns.items() if n not in held}
         meta = rows.meta
         if stored:
+            self._settle()  # a write to the keys after their first write
             meta = write_columns(self.client, meta, stored, token_fields=())
             self._bytes += tensor_bytes(stored)
         if held:
@@ -341,6 +386,8 @@ class DataPlaneTransport:
         keys = rows.meta.keys
         held = {name: column for name in names if (column := self._held_rows(keys, name)) is not None}
         stored = [name for name in names if name not in held]
+        if stored:
+            self._settle()
         out = read_columns(self.client, rows.meta, stored) if stored else build_tensordict({}, len(keys))
         for name, column in held.items():
             out.set(name, column)
@@ -366,6 +413,7 @@ class DataPlaneTransport:
         return torch.stack([self._held[b][1][name][p] for b, p in picks])
 
     def finish(self, rows: StepRows) -> TransportReport:
+        self._settle()
         self._held = []
         self._clear(list(self._open))
         self._add_io(client_io(self.client), "driver")
@@ -381,6 +429,10 @@ class DataPlaneTransport:
         )
 
     def abort(self) -> None:
+        """Clear every admitted key still stored, once no admitted write is in flight (a failed write is the
+        failure being aborted, or stored nothing: its error is not raised here)."""
+        with contextlib.suppress(Exception):
+            self._settle()
         self._held = []
         self._clear(list(self._open))
 
