@@ -350,7 +350,8 @@ class WorkerGroup:
     def submit(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> ObjectRefs:
         """Start an ``@on_all_ranks`` method on every rank; its refs in rank order (wait with ``collect``).
 
-        Each argument is put into the object store once and shared by all ranks.
+        Each argument travels once: see :func:`_shared` (an argument that several ranks receive and that is not
+        a small literal is put into the object store once and shared by them).
 
         Raises:
             TypeError: ``method`` is a name, undeclared, or declared ``@sharded``.
@@ -360,8 +361,9 @@ class WorkerGroup:
         name, dispatch = self._check_call(method)
         if dispatch != "on_all_ranks":
             raise TypeError(f"'method' must be declared @on_all_ranks to be submitted: {name} is @{dispatch}")
-        shared_args = [_put_once(a) for a in args]
-        shared_kwargs = {k: _put_once(v) for k, v in kwargs.items()}
+        ranks = len(self._actors)
+        shared_args = [_shared(a, ranks) for a in args]
+        shared_kwargs = {k: _shared(v, ranks) for k, v in kwargs.items()}
         return [getattr(actor, name).remote(*shared_args, **shared_kwargs) for actor in self._actors]
 
     def call(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> list[R]:
@@ -393,9 +395,10 @@ class WorkerGroup:
             raise TypeError(f"{name} is @sharded: call it as group.call(..., shards, ...) with one shard per dp index")
         shards, rest = args[0], args[1:]
         indices = shard_for_ranks(self._sharding, shards)
-        shard_refs = [_put_once(shard) for shard in shards]
-        shared_args = [_put_once(a) for a in rest]
-        shared_kwargs = {k: _put_once(v) for k, v in kwargs.items()}
+        ranks = len(self._actors)
+        shard_refs = [_shared(shard, indices.count(d)) for d, shard in enumerate(shards)]
+        shared_args = [_shared(a, ranks) for a in rest]
+        shared_kwargs = {k: _shared(v, ranks) for k, v in kwargs.items()}
         refs = [
             getattr(actor, name).remote(shard_refs[indices[r]], *shared_args, **shared_kwargs)
             for r, actor in enumerate(self._actors)
@@ -535,6 +538,31 @@ class WorkerGroup:
         return f"WorkerGroup({self._worker_cls.__name__}, {sizes}, backend={self._backend!r}, {state})"
 
 
-def _put_once(value: Any) -> Any:
-    """``value`` as an object-store ref, so that every rank reads one serialized copy (refs pass through)."""
-    return value if isinstance(value, ray.ObjectRef) else ray.put(value)
+_LITERAL_BYTES = 1024  # a str or bytes argument this long or shorter is a small literal
+_LITERAL_ITEMS = 64  # a tuple, list or frozenset of at most this many small literals is one too
+
+
+def _shared(value: Any, ranks: int) -> Any:
+    """``value`` as an argument of a call that ``ranks`` ranks receive: an object-store ref when several ranks
+    receive it and it is not a small literal (every rank then reads one serialized copy), else the value itself.
+
+    Ray inlines a small argument into the call and puts a large one into the object store itself, so a value
+    for one rank, or a small literal (an int, a short string: :func:`_small_literal`) for several, loses
+    nothing by travelling as it is, and skips a ``ray.put``: a round trip to the object store that costs more
+    than inlining a small value. Refs pass through.
+    """
+    if isinstance(value, ray.ObjectRef) or ranks <= 1 or _small_literal(value):
+        return value
+    return ray.put(value)
+
+
+def _small_literal(value: Any, nested: bool = False) -> bool:
+    """None, a bool, int or float, a str or bytes of at most ``_LITERAL_BYTES``, or (not nested) a tuple, list
+    or frozenset of at most ``_LITERAL_ITEMS`` of those."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return True
+    if isinstance(value, (str, bytes)):
+        return len(value) <= _LITERAL_BYTES
+    if not nested and isinstance(value, (tuple, list, frozenset)) and len(value) <= _LITERAL_ITEMS:
+        return all(_small_literal(item, nested=True) for item in value)
+    return False

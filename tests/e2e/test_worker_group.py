@@ -453,6 +453,34 @@ def test_shutdown_twice_is_noop(ray_cluster: None) -> None:
         ray.get(actor.whoami.remote(), timeout=30)
 
 
+@pytest.mark.parametrize(
+    "value, literal",
+    [
+        (None, True), (3, True), (2.5, True), (True, True), ("grpo", True), (b"x" * 1024, True),
+        (("input_ids", "token_mask"), True), (frozenset({"a", "b"}), True), (list(range(64)), True),
+        ("x" * 1025, False), (list(range(65)), False), ((("nested",),), False), ({"a": 1}, False),
+        (torch.zeros(3), False),
+    ],
+    ids=lambda v: repr(v)[:20],
+)
+def test_an_argument_is_put_once_only_when_several_ranks_receive_it_and_it_is_not_a_small_literal(
+    ray_cluster: None, value: Any, literal: bool
+) -> None:
+    """Law of ``_shared``: a value for one rank, or a small literal, travels as itself; anything else that
+    several ranks receive becomes one object-store ref holding it; a ref passes through."""
+    from shell.worker_group import _shared
+
+    assert _shared(value, 1) is value
+    shared = _shared(value, 2)
+    if literal:
+        assert shared is value
+    else:
+        assert isinstance(shared, ray.ObjectRef)
+        got = ray.get(shared)
+        assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
+        assert _shared(shared, 2) is shared
+
+
 def test_worker_group_rejects_non_worker_class() -> None:
     """WorkerGroup takes a Worker subclass and a str role; nccl without GPUs and unknown backends are refused before any
     actor starts."""
