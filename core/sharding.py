@@ -254,6 +254,49 @@ def _even_split(lengths: Sequence[int] | None, offset: int, size: int, dp: int) 
     return balanced_partition(lengths[offset : offset + size], dp)
 
 
+def shard_like(meta: KVBatchMeta, shards: Sequence[KVBatchMeta], unsorted: Sequence[int]) -> tuple[Shards, Unsorted]:
+    """The split that :func:`shard_meta_for_dp` gave ``shards`` (of some meta), applied to ``meta``, a meta of
+    the same rows: same keys in the same order, same ``sequence_lengths``; fields, tags and ``extra_info`` may
+    differ (e.g. a field written since). No planning runs.
+
+    Law (``tests/property/test_sharding.py``): for metas ``a`` and ``b`` of the same keys and lengths,
+    ``shard_like(b, *shard_meta_for_dp(a, **kw)) == shard_meta_for_dp(b, **kw)``: the split depends on the
+    lengths alone, and each shard is ``b``'s subset of its rows with the split's ``micro_batch_indices`` (and
+    ``micro_batch_lengths``, when packed).
+
+    Raises:
+        TypeError: ``meta`` is not a KVBatchMeta.
+        ValueError: ``shards`` and ``unsorted`` do not hold ``meta``'s rows: the first position whose key or
+            length differs is named.
+
+    Example:
+        >>> a = KVBatchMeta("p", ["a", "b", "c", "d"], sequence_lengths=[9, 1, 8, 2])
+        >>> b = a.with_fields(["advantages"])
+        >>> shard_like(b, *shard_meta_for_dp(a, dp_world=2)) == shard_meta_for_dp(b, dp_world=2)
+        True
+    """
+    if not isinstance(meta, KVBatchMeta):
+        raise TypeError(f"'meta' must be a KVBatchMeta: got {type(meta).__name__}")
+    rows = shard_row_indices(shards, unsorted)
+    if sum(len(r) for r in rows) != len(meta):
+        raise ValueError(f"'shards' must hold the {len(meta)} rows of 'meta': got {sum(len(r) for r in rows)} rows")
+    lengths = meta.sequence_lengths or (None,) * len(meta)
+    for shard, positions in zip(shards, rows):
+        shard_lengths = shard.sequence_lengths or (None,) * len(shard)
+        for j, i in enumerate(positions):
+            if shard.keys[j] != meta.keys[i] or shard_lengths[j] != lengths[i]:
+                raise ValueError(
+                    f"'shards' must hold the rows of 'meta': row {i} of 'meta' is key {meta.keys[i]!r} of length "
+                    f"{lengths[i]}, its place in the shards holds key {shard.keys[j]!r} of length {shard_lengths[j]}"
+                )
+    plan_keys = (MICRO_BATCH_INDICES, MICRO_BATCH_LENGTHS)
+    out = tuple(
+        meta.subset(positions).with_extra_info(**{k: shard.extra_info[k] for k in plan_keys if k in shard.extra_info})
+        for shard, positions in zip(shards, rows)
+    )
+    return out, tuple(unsorted)
+
+
 def shard_row_indices(shards: Sequence[KVBatchMeta], unsorted: Sequence[int]) -> Partition:
     """The caller-order row positions each shard holds, from :func:`shard_meta_for_dp`'s output.
 

@@ -29,7 +29,8 @@ import torch
 from core.fields import GLOBAL_FORWARD_PAD_SEQLEN, INPUT_IDS, PREV_LOGPROBS, REFERENCE_LOGPROBS
 from core.gpu_share import gpu_share_problem
 from core.model_config import TinyGPTConfig
-from core.sharding import DynamicBatchingSpec, PackingSpec
+from core.meta import KVBatchMeta
+from core.sharding import DynamicBatchingSpec, PackingSpec, Shards, Unsorted, shard_like
 from core.step_plan import StepLayout, TrainResult, check_kept_rows, kept_rows, merge_train, shard_step, stamp_step
 from core.topology import NamedSharding
 from adapters.store_health import failure_in
@@ -220,6 +221,8 @@ class Policy:
         self.transport = transport
         self.group = group if group is not None else build_group(config, client_factory=transport.client_factory)
         self._kept: dict[str, int] = {}  # key -> DP rank that kept its log-probs for the next train call
+        # The train sharding logprobs(keep_for_train=True) planned, with the keys and lengths it planned it for.
+        self._train_split: tuple[KVBatchMeta, Shards, Unsorted] | None = None
 
     def shutdown(self) -> None:
         """Shut the worker group down (a second call does nothing)."""
@@ -252,18 +255,21 @@ class Policy:
         """
         names = (PREV_LOGPROBS, REFERENCE_LOGPROBS) if reference else (PREV_LOGPROBS,)
         _check_prepared(rows)
-        self._kept = {}
+        self._kept, self._train_split = {}, None
         with self._releasing_on_failure():
             shards, unsorted = shard_step(rows.meta, self.config.layout, train=False)
             keep: tuple[frozenset[str], ...] = ()
+            train_split = None
             if keep_for_train:
-                keep = kept_rows(shards, shard_step(rows.meta, self.config.layout, train=True)[0])
+                train_split = (rows.meta, *shard_step(rows.meta, self.config.layout, train=True))
+                keep = kept_rows(shards, train_split[1])
             inputs = self.transport.rank_inputs(
                 rows, shards, unsorted, fields=(INPUT_IDS, *self.config.replay_fields), keep=keep
             )
             results = self.group.call(PolicyWorker.logprobs, inputs, outputs=names, prefetch=tuple(prefetch))
             collected = self.transport.collect(rows, results, unsorted, names)
         self._kept = {key: rank for rank, keys in enumerate(keep) for key in keys}
+        self._train_split = train_split
         return collected
 
     def train(self, rows: StepRows, loss_fn: Any) -> TrainResult:
@@ -276,8 +282,13 @@ class Policy:
         fields = (INPUT_IDS, *self.config.replay_fields, *getattr(loss_fn, "input_fields", ()))
         _check_prepared(rows)
         kept, self._kept = self._kept, {}
+        split, self._train_split = self._train_split, None
         with self._releasing_on_failure():
-            shards, unsorted = shard_step(rows.meta, self.config.layout, train=True)
+            meta = rows.meta
+            if split is not None and (split[0].keys, split[0].sequence_lengths) == (meta.keys, meta.sequence_lengths):
+                shards, unsorted = shard_like(meta, split[1], split[2])  # the split depends on the lengths alone
+            else:
+                shards, unsorted = shard_step(rows.meta, self.config.layout, train=True)
             check_kept_rows(kept, shards)
             inputs = self.transport.rank_inputs(rows, shards, unsorted, fields=fields)
             results = self.group.call(PolicyWorker.train, inputs, loss_fn=loss_fn)

@@ -23,6 +23,7 @@ from core.sharding import (
     PackingSpec,
     balanced_partition,
     global_pad_length,
+    shard_like,
     shard_meta_for_dp,
     shard_row_indices,
 )
@@ -195,6 +196,39 @@ def test_shard_meta_for_dp_gives_every_rank_the_same_micro_batch_count(case: tup
     for g in range(batches):
         assert len({counts[g] for counts in per_rank}) == 1
         assert per_rank[0][g] >= 1
+
+
+@given(EVERY_MODE, st.data())
+@MICRO
+def test_shard_like_gives_another_meta_of_the_same_rows_the_split_shard_meta_for_dp_gives_it(case: tuple, data: st.DataObject) -> None:
+    """Law: for metas ``a`` and ``b`` of the same keys and lengths (other fields, tags, extra_info),
+    ``shard_like(b, *shard_meta_for_dp(a, ...)) == shard_meta_for_dp(b, ...)``."""
+    a, dp, batch_size, spec = case
+    tags = data.draw(st.none() | st.just([{"t": i} for i in range(len(a))]))
+    b = KVBatchMeta(
+        a.partition_id, a.keys, fields=tuple(dict.fromkeys((*a.fields, "advantages"))), sequence_lengths=a.sequence_lengths, tags=tags,
+        extra_info={"global_forward_pad_seqlen": 64, "micro_batch_lengths": "stale"},
+    )
+    assert shard_like(b, *_shard(a, dp, batch_size, spec)) == _shard(b, dp, batch_size, spec)
+
+
+@given(EVERY_MODE)
+@MICRO
+def test_shard_like_refuses_a_meta_of_other_rows(case: tuple) -> None:
+    """Another key, or another length, at any row is a ValueError naming the row; so is another row count."""
+    meta, dp, batch_size, spec = case
+    if not len(meta):
+        return
+    split = _shard(meta, dp, batch_size, spec)
+    renamed = KVBatchMeta(meta.partition_id, ("other", *meta.keys[1:]), sequence_lengths=meta.sequence_lengths)
+    with pytest.raises(ValueError, match=r"row 0 of 'meta' is key 'other'"):
+        shard_like(renamed, *split)
+    if meta.sequence_lengths is not None:
+        longer = KVBatchMeta(meta.partition_id, meta.keys, sequence_lengths=(meta.sequence_lengths[0] + 1, *meta.sequence_lengths[1:]))
+        with pytest.raises(ValueError, match=r"row 0 of 'meta'"):
+            shard_like(longer, *split)
+    with pytest.raises(ValueError, match=r"must hold the \d+ rows"):
+        shard_like(KVBatchMeta(meta.partition_id, (*meta.keys, "extra")), *split)
 
 
 @given(EVERY_MODE)
