@@ -288,7 +288,7 @@ class Policy:
             if split is not None and (split[0].keys, split[0].sequence_lengths) == (meta.keys, meta.sequence_lengths):
                 shards, unsorted = shard_like(meta, split[1], split[2])  # the split depends on the lengths alone
             else:
-                shards, unsorted = shard_step(rows.meta, self.config.layout, train=True)
+                shards, unsorted = shard_step(meta, self.config.layout, train=True)
             check_kept_rows(kept, shards)
             inputs = self.transport.rank_inputs(rows, shards, unsorted, fields=fields)
             results = self.group.call(PolicyWorker.train, inputs, loss_fn=loss_fn)
