@@ -23,6 +23,8 @@ Laws (see ``tests/property/test_codec.py``):
   * ``to_padded(to_jagged(p, L), pad_to_length=S, pad_value=v)`` equals ``p``
     where ``s < L[i]`` and ``v`` elsewhere;
   * ``to_jagged(to_padded(j), jagged_lengths(j))`` has the rows of ``j``;
+  * ``repad(p, L, pad_to_length=P)`` equals ``to_padded(to_jagged(p, L),
+    pad_to_length=P)`` bit for bit;
   * ``materialize(pack_fields(f, lengths=L, token_fields=T))`` equals ``f`` on
     the valid region of the token fields and is ``f`` for every other field.
 
@@ -105,6 +107,45 @@ def to_jagged(padded: torch.Tensor, lengths: Sequence[int] | torch.Tensor) -> to
         [[1, 2], [3]]
     """
     return _to_jagged(padded, lengths, "'padded'")
+
+
+def repad(padded: torch.Tensor, lengths: Sequence[int] | torch.Tensor, *, pad_to_length: int) -> torch.Tensor:
+    """``to_padded(to_jagged(padded, lengths), pad_to_length=pad_to_length)``, computed on the dense batch.
+
+    Row ``i`` keeps ``padded[i, :lengths[i]]`` and is zero past it, ``pad_to_length``
+    wide: the rows as a store round trip of the per-token field gives them back,
+    with no jagged tensor built in between (one mask over the batch, where the
+    two calls build and read a nested tensor).
+
+    Args:
+        padded: ``(N, S, *rest)`` dense tensor of a dtype in
+            :data:`core.dtypes.CODEC_DTYPES`.
+        lengths: ``N`` valid-token counts, each in ``[0, S]``.
+        pad_to_length: the width of the result, at least the longest row.
+
+    Returns:
+        A fresh ``(N, pad_to_length, *rest)`` tensor of ``padded``'s dtype.
+
+    Raises:
+        TypeError, ValueError: as :func:`to_jagged`, and as :func:`to_padded`
+            for a ``pad_to_length`` shorter than the longest row.
+
+    Example:
+        >>> repad(torch.tensor([[1, 2, 9], [3, 9, 9]]), [2, 1], pad_to_length=4).tolist()
+        [[1, 2, 0, 0], [3, 0, 0, 0]]
+    """
+    lens = _checked_lengths(padded, lengths, "'padded'")
+    if not isinstance(pad_to_length, int) or isinstance(pad_to_length, bool):
+        raise TypeError(f"'pad_to_length' must be an int: got {type(pad_to_length).__name__}")
+    longest = int(lens.max()) if lens.numel() else 0
+    if pad_to_length < longest:
+        raise ValueError(f"'pad_to_length' must be at least the longest row ({longest}) of 'padded': got {pad_to_length}")
+    n, width = padded.shape[0], min(padded.shape[1], pad_to_length)
+    bits = to_bits(padded)
+    out = torch.zeros((n, pad_to_length, *padded.shape[2:]), dtype=bits.dtype, device=padded.device)
+    mask = (torch.arange(width, device=padded.device) < lens[:, None]).reshape(n, width, *[1] * (padded.dim() - 2))
+    out[:, :width] = torch.where(mask, bits[:, :width], out[:, :width])
+    return from_bits(out, padded.dtype)
 
 
 def to_padded(
@@ -290,6 +331,20 @@ def materialize(
 
 
 def _to_jagged(padded: Any, lengths: Any, arg: str) -> torch.Tensor:
+    lens = _checked_lengths(padded, lengths, arg)
+    width = padded.shape[1]
+    mask = torch.arange(width, device=padded.device) < lens[:, None]
+    # Gather the bit view: uint16/32/64 and float8 have no masked_select kernel.
+    bits = to_bits(padded)
+    # masked_select is the fastest gather for (N, S) rows; boolean indexing for trailing dims.
+    values = torch.masked_select(bits, mask) if bits.dim() == 2 else bits[mask]
+    offsets = torch.cat((lens.new_zeros(1), lens.cumsum(0)))
+    return from_bits(torch.nested.nested_tensor_from_jagged(values, offsets), padded.dtype)
+
+
+def _checked_lengths(padded: Any, lengths: Any, arg: str) -> torch.Tensor:
+    """``lengths`` as an int64 tensor, after checking ``padded`` (a dense ``(N, S, ...)`` tensor of a carried dtype)
+    and that every length is in ``[0, S]``."""
     if not isinstance(padded, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor: got {type(padded).__name__}")
     if padded.is_nested:
@@ -306,13 +361,7 @@ def _to_jagged(padded: Any, lengths: Any, arg: str) -> torch.Tensor:
             f"'lengths' must be in [0, {width}] (the width S of {arg}): "
             f"row {row} has length {int(lens[row])}, S is {width}"
         )
-    mask = torch.arange(width, device=padded.device) < lens[:, None]
-    # Gather the bit view: uint16/32/64 and float8 have no masked_select kernel.
-    bits = to_bits(padded)
-    # masked_select is the fastest gather for (N, S) rows; boolean indexing for trailing dims.
-    values = torch.masked_select(bits, mask) if bits.dim() == 2 else bits[mask]
-    offsets = torch.cat((lens.new_zeros(1), lens.cumsum(0)))
-    return from_bits(torch.nested.nested_tensor_from_jagged(values, offsets), padded.dtype)
+    return lens
 
 
 def _to_padded(

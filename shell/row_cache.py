@@ -13,8 +13,9 @@ Invariants:
   * a cached row equals what a store round trip gives for it: fetched rows
     are kept as read, and computed rows as the store round trip would give
     them back (trimmed to each row's length, then zero-padded to the pad
-    length, the codec's :func:`core.codec.to_jagged` /
-    :func:`core.codec.to_padded`), whether or not they were written;
+    length: :func:`core.codec.repad`, equal to the codec's
+    :func:`core.codec.to_jagged` then :func:`core.codec.to_padded`), whether
+    or not they were written;
   * rows are looked up by key and the step's pad length: a row cached under
     another pad length is a miss;
   * the cache holds at most ``max_blocks`` blocks (oldest dropped first); the
@@ -32,7 +33,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from core.codec import to_jagged, to_padded
+from core.codec import repad
 
 
 @attrs.define
@@ -72,9 +73,7 @@ class StepRowCache:
     ) -> None:
         """Keep per-token rows ``[B, S, ...]`` as a fetch would return them after the write: trimmed to ``lengths``,
         zero-padded to ``pad``."""
-        self._remember(
-            keys, {name: to_padded(to_jagged(value, lengths), pad_to_length=pad) for name, value in columns.items()}, pad
-        )
+        self._remember(keys, {name: repad(value, lengths, pad_to_length=pad) for name, value in columns.items()}, pad)
 
     def split(self, keys: Sequence[str], fields: Sequence[str], pad: int) -> tuple[list[int], list[int]]:
         """Positions in ``keys`` whose every field is cached under ``pad`` (hits), and the others (misses)."""

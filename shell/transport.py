@@ -48,7 +48,7 @@ from tensordict import TensorDict
 
 from adapters.rows import build_tensordict
 from adapters.store_port import DataPlaneClient
-from core.codec import is_jagged, to_jagged, to_padded
+from core.codec import is_jagged, repad, to_padded
 from core.fields import GLOBAL_FORWARD_PAD_SEQLEN, LENGTHS, is_token_field
 from core.frozen import FrozenDict, freeze
 from core.meta import KVBatchMeta
@@ -192,7 +192,7 @@ def slice_rank_batch(data: TensorDict, rows: Sequence[int], lengths: Sequence[in
         value = data[name]
         if is_jagged(value) or is_token_field(name):
             dense = to_padded(value) if is_jagged(value) else value
-            columns[name] = to_padded(to_jagged(dense[index], row_lengths), pad_to_length=pad_to)
+            columns[name] = repad(dense[index], row_lengths, pad_to_length=pad_to)
         else:
             columns[name] = value[index]
     columns[LENGTHS] = torch.tensor(row_lengths, dtype=torch.long)
