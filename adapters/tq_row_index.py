@@ -13,7 +13,7 @@ Invariant: see :class:`RowIndex`; ``tests/property/test_tq_object_store.py`` sta
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +26,10 @@ BACKEND = "RayObjectStore"
 
 INDEX_NAME = "TransferQueueObjectStoreIndex"
 INDEX_NAMESPACE = "transfer_queue"
+
+CLEARED_EARLY_LIMIT = 4096
+"""How many of the latest ``(key, global index)`` pairs :meth:`RowIndex.clear_owned` released it remembers, so that a
+put racing the clear is not answered by key (16 GRPO steps of 256 rows; about 0.75 MB)."""
 
 Owners = tuple[str, Sequence[str]]
 """``(partition id, [key of each row])``: whose rows a put's columns hold (the adapter sends them as
@@ -43,7 +47,8 @@ class RowIndex:
       * given owners, it never answers a row that a put registered under another partition or key: it
         reports ``reused`` instead;
       * :meth:`locate_keys` answers, for each key, the global index whose latest register named that key (no
-        clear or register without owners there since, and no later register of the key elsewhere), or
+        clear or register without owners there since, no later register of the key elsewhere, and no
+        :meth:`clear_owned` of the key at that index before that register came), or
         ``unknown``;
       * a column is counted by :meth:`stats` exactly while one of its rows is the latest of its
         ``(global index, field)``: after every index is cleared, none is;
@@ -67,6 +72,9 @@ class RowIndex:
         # ``_untagged`` (a put without owners, or a failed put, may have changed the controller's), until a clear.
         self._tags: dict[int, dict[str, Any]] = {}
         self._untagged: set[int] = set()
+        # (partition, key) -> the global index an owned clear released it at, the latest CLEARED_EARLY_LIMIT: a put
+        # of the key there may still be on its way here (racing the clear), and its rows must not be answered by key.
+        self._cleared_early: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     def register(
         self,
@@ -82,14 +90,20 @@ class RowIndex:
 
         ``tags[i]`` (with ``owners``) are the reserved tags the put merges into row ``i``'s key's tags (see
         :meth:`locate_keys`); a put without owners leaves the tags of its rows unknown here until they are
-        cleared."""
+        cleared. A row whose key an owned clear released at its index before this register arrived (see
+        :meth:`clear_owned`) is kept as a row of no known key, as a put without owners leaves it."""
         for i, (field, column, (stored,), indexes) in enumerate(puts):
             self._columns[column] = [stored, len(indexes), writer, owners]
             base = _user_field(field) if owners is not None else None
             for row, index in enumerate(indexes):
                 if i == 0:  # every column of a put holds the same rows: record their keys and tags once
-                    self._own(index, None if owners is None else (owners[0], owners[1][row]))
-                    if owners is None:
+                    key = None if owners is None else (owners[0], owners[1][row])
+                    if key is not None and self._cleared_early.get(key) == index:  # cleared before it landed
+                        del self._cleared_early[key]
+                        self.forget_keys(key[0], [key[1]])
+                        key = None
+                    self._own(index, key)
+                    if key is None:
                         self._untagged.add(index)
                     elif tags is not None and tags[row]:
                         self._tags.setdefault(index, {}).update(tags[row])
@@ -194,10 +208,30 @@ class RowIndex:
         known key does (a put that named no owners, or whose keys were forgotten, wrote them); an index that a put
         has since given another key keeps that put's rows.
 
+        The keys are answered by key nowhere after it (one the index had at another index, where a put racing an
+        earlier clear left it, is forgotten there: :meth:`forget_keys`).
+
         This is the index's half of a clear that releases the global indexes in TQ's controller at the same time
         (:meth:`adapters.transfer_queue.TransferQueueStore._drop_and_release`): a put may take a released index and reach the index
-        first."""
-        self.clear([index for key, index in zip(keys, indexes) if self._key_of.get(index) in (None, (partition, key))])
+        first.
+
+        Each ``(key, index)`` is also remembered (the latest :data:`CLEARED_EARLY_LIMIT` of them): a put that gave
+        the key that index may not have reached the index yet (the clear raced it), or may rewrite rows of the key
+        there (a write-back racing the clear). When the next :meth:`register` of that key at that index arrives,
+        its rows are kept as rows of no known key: :meth:`locate_keys` reports the key unknown, so the adapter asks
+        TQ's controller, which no longer holds the key (``KeyError``), rather than reading the raced put's rows by
+        key. A put of the key after the clear that TQ gives the same index again is answered through the
+        controller's lookup as well, until the key's next put there."""
+        dropped = [index for key, index in zip(keys, indexes) if self._key_of.get(index) in (None, (partition, key))]
+        remembered = self._cleared_early
+        for key, index in zip(keys, indexes):
+            remembered[(partition, key)] = index
+            remembered.move_to_end((partition, key))  # the newest
+            if self._index_of.get((partition, key), index) != index:  # TQ holds the key no more, here or there
+                self.forget_keys(partition, [key])
+        while len(remembered) > CLEARED_EARLY_LIMIT:
+            remembered.popitem(last=False)
+        self.clear(dropped)
 
     def forget_keys(self, partition: str, keys: Sequence[str]) -> None:
         """Stop answering ``keys`` of ``partition`` by key (:meth:`locate_keys` reports them unknown until a later

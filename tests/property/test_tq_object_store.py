@@ -27,6 +27,7 @@ import torch
 from hypothesis import example, given, settings
 
 from adapters.tq_object_store import RowIndex, assemble_column, field_schema, frame_column, gather_rows, unframe
+from adapters.tq_row_index import CLEARED_EARLY_LIMIT
 
 DTYPES = (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
@@ -296,7 +297,8 @@ def test_an_owned_clear_drops_only_rows_that_no_other_key_holds(
 ) -> None:
     """``clear_owned`` drops the rows at each index that its key still holds there (the latest put there named
     it) or that no known key holds (the latest put there named none, or the key moved elsewhere since), and keeps,
-    untouched, every row that a put has given another key, and every other index's rows."""
+    untouched, every row that a put has given another key, and every other index's rows; and no cleared key is
+    answered by key after it."""
     index, model = RowIndex(), {}
     owner: dict[int, tuple[str, str] | None] = {}  # global index -> the key its latest put named (None: none)
     for n, op in enumerate(program):
@@ -318,6 +320,8 @@ def test_an_owned_clear_drops_only_rows_that_no_other_key_holds(
         assert index.locate([i], [field])["locations"][field] == [[[column, 1]], [row]]
     assert all("missing" in index.locate([i], [field]) for i in dropped for field in FIELDS)
     assert index.stats()["columns"] == len({column for column, _ in kept.values()})
+    for _, key in cleared:  # TQ holds a cleared key no more: the index answers it by key nowhere
+        assert index.locate_keys(partition, [key], FIELDS[:1]) == {"unknown": key}
 
 
 def _by_key_cases(put: st.SearchStrategy[tuple], fields: Sequence[str], max_fields: int) -> Any:
@@ -426,6 +430,56 @@ def test_a_forgotten_key_is_unknown_by_key_and_its_rows_stay_by_index(
     for key in forgotten:
         assert index.locate_keys(partition, [key, *others], FIELDS[:1]) == {"unknown": key}
     assert {key: index.locate_keys(partition, [key], FIELDS[:1]) for key in others} == answered
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(_put, _clear), max_size=10),
+    st.sampled_from(PARTITIONS),
+    st.lists(  # a put's rows: one index per key, as TQ's lookup gives them
+        st.tuples(st.sampled_from(INDEXES), st.sampled_from(KEYS)),
+        min_size=1, max_size=6, unique_by=(lambda r: r[0], lambda r: r[1]),
+    ),
+    st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3, unique=True),
+    st.data(),
+)
+def test_a_put_that_reaches_the_index_after_an_owned_clear_of_its_keys_is_not_answered_by_key(
+    program: list[tuple], partition: str, rows: list[tuple[int, str]], fields: list[str], data: st.DataObject
+) -> None:
+    """A put of keys at the indexes its lookup gave them, whose register reaches the index after an owned clear of
+    some of those keys at those indexes (the clear raced it), is not answered by key for those keys: ``locate_keys``
+    reports each unknown, while ``locate`` by global index answers the put's rows, and the put's other keys are
+    answered by key. The key's next put there is answered by key again."""
+    index = RowIndex()
+    for n, op in enumerate(program):
+        _apply(index, n, op)
+    raced = data.draw(st.lists(st.sampled_from(rows), min_size=1, unique=True))
+    index.clear_owned(partition, [k for _, k in raced], [i for i, _ in raced])
+    late = ("put", partition, fields, rows, True)
+    _apply(index, len(program), late)
+    for i, key in rows:
+        found = index.locate_keys(partition, [key], fields)
+        if (i, key) in raced:
+            assert found == {"unknown": key}
+        else:
+            assert found["indexes"] == [i]
+        assert index.locate([i], fields, (partition, [key]))["locations"] == {
+            field: [[[f"col{len(program)}{field}", 1]], [rows.index((i, key))]] for field in fields
+        }
+    _apply(index, len(program) + 1, late)  # the keys' next put at the same indexes
+    assert index.locate_keys(partition, [k for _, k in rows], fields)["indexes"] == [i for i, _ in rows]
+
+
+def test_the_index_remembers_only_the_latest_cleared_keys() -> None:
+    """An owned clear remembers at most ``CLEARED_EARLY_LIMIT`` keys: a put racing a clear older than that is
+    answered by key (the bound keeps the index's memory flat over a long run)."""
+    index = RowIndex()
+    index.clear_owned("p", ["old"], [0])
+    index.clear_owned("p", [f"k{n}" for n in range(CLEARED_EARLY_LIMIT)], list(range(1, CLEARED_EARLY_LIMIT + 1)))
+    for key, at in (("old", 0), ("k0", 1)):
+        index.register("writer", [("a", f"col-{key}", [("stored", None)], [at])], ("p", [key]))
+    assert index.locate_keys("p", ["old"], ["a"])["indexes"] == [0]
+    assert index.locate_keys("p", ["k0"], ["a"]) == {"unknown": "k0"}
 
 
 _tagged_put = st.tuples(_put, st.booleans()).map(lambda p: (*p[0], p[1]))  # the last: whether it sends digests
