@@ -170,6 +170,38 @@ def test_a_get_of_a_key_whose_index_was_reused_raises_naming_both_keys(
 
 
 @on_object_store
+def test_a_put_whose_index_call_lands_after_a_clear_of_its_keys_is_not_read_by_key(
+    tq_store_session: TransferQueueStore, partition: str
+) -> None:
+    """A clear that races a put of the same key (the put's lookup found the key's global index, the clear then
+    released it, and only then did the put's index call land) leaves no row that a get by key reads: the get goes
+    through the lookup and raises ``KeyError``, as for any cleared key (before 2026-11-27 it returned the raced
+    put's row). The raced rows stay in the index, by global index, until that index is cleared or reused."""
+    import transfer_queue as tq
+
+    store = TransferQueueStore.attach()
+    columns = _columns()
+    store.put(["k", "other"], partition, TensorDict({"x": torch.ones(2, 3)}, batch_size=[2]))
+    store.get(["k", "other"], partition, ["x"])  # the store knows x's wire field: a get of x may ask the index alone
+    found = tq.get_client().kv_retrieve_meta(keys=["k"], partition_id=partition, create=False)
+    (index,), (wire,) = found.global_indexes, found.field_names
+    store.clear(["k"], partition)
+    # The index call of a write-back of 'k' whose lookup ran before the clear lands now:
+    frame = tq_object_store.frame_column(wire, torch.full((1, 3), 7.0), 1)
+    puts = [(wire, "raced-put", [(frame, None)], [index])]
+    ray.get(tq_object_store.find_index().register.remote("a raced writer", puts, (partition, ["k"])))
+    with pytest.raises(KeyError, match="not stored"):
+        store.get(["k"], partition, ["x"])
+    assert store.get(["other"], partition, ["x"])["x"].tolist() == [[1.0, 1.0, 1.0]]
+    held = ray.get(tq_object_store.find_index().locate.remote([index], [wire]))
+    assert held["locations"][wire][0] == [["raced-put", 1]]
+    store.clear(["other"], partition)
+    ray.get(tq_object_store.find_index().clear.remote([index]))
+    assert _columns() == columns
+    store.close()
+
+
+@on_object_store
 def test_a_get_finds_its_rows_by_key_once_it_knows_their_wire_fields(
     tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
