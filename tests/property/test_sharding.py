@@ -10,6 +10,7 @@ packing / dynamic batching; balance against ``balanced_partition`` and
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -220,15 +221,16 @@ def test_shard_like_refuses_a_meta_of_other_rows(case: tuple) -> None:
     if not len(meta):
         return
     split = _shard(meta, dp, batch_size, spec)
-    renamed = KVBatchMeta(meta.partition_id, ("other", *meta.keys[1:]), sequence_lengths=meta.sequence_lengths)
-    with pytest.raises(ValueError, match=r"row 0 of 'meta' is key 'other'"):
+    other = "other" + "".join(meta.keys)  # longer than every key: not one of them
+    renamed = KVBatchMeta(meta.partition_id, (other, *meta.keys[1:]), sequence_lengths=meta.sequence_lengths)
+    with pytest.raises(ValueError, match=rf"row 0 of 'meta' is key {re.escape(repr(other))}"):
         shard_like(renamed, *split)
     if meta.sequence_lengths is not None:
         longer = KVBatchMeta(meta.partition_id, meta.keys, sequence_lengths=(meta.sequence_lengths[0] + 1, *meta.sequence_lengths[1:]))
         with pytest.raises(ValueError, match=r"row 0 of 'meta'"):
             shard_like(longer, *split)
     with pytest.raises(ValueError, match=r"must hold the \d+ rows"):
-        shard_like(KVBatchMeta(meta.partition_id, (*meta.keys, "extra")), *split)
+        shard_like(KVBatchMeta(meta.partition_id, (*meta.keys, other)), *split)
 
 
 @given(EVERY_MODE)
