@@ -460,15 +460,30 @@ class RayObjectStorageManager(StorageManager):
             raise ValueError(f"the put has {staged.rows} rows: its meta names {n} global indexes")
         if n == 0:
             return
+        # The index's register and the controller's notify run at once; the put returns when both are done,
+        # so a get after it finds the rows in both.
+        registered = self.register_staged(staged, metadata, reserved_tags)
+        await self.notify_data_update(metadata.partition_ids[0], indexes, field_schema(staged.frames))
+        await _wait(registered)
+
+    def register_staged(
+        self, staged: StagedColumns, metadata: Any, reserved_tags: Sequence[Mapping[str, Any]] | None = None
+    ) -> Any:
+        """Send the index the rows of ``staged`` at the global indexes ``metadata`` names (the index half of
+        :meth:`put_staged`, without the controller's notice, which the caller sends) and return the call's object
+        ref at once. ``staged`` has as many rows as ``metadata`` names (:meth:`put_staged` checks it).
+
+        Raises:
+            ValueError: ``metadata`` names another number of global indexes than ``staged`` has rows.
+        """
+        indexes = list(metadata.global_indexes)
+        if staged.rows != len(indexes):
+            raise ValueError(f"the put has {staged.rows} rows: its meta names {len(indexes)} global indexes")
         puts = [
             (field, uuid.uuid4().hex, [(staged.shared, field) if field in staged.large else (frame, None)], indexes)
             for field, frame in staged.frames.items()
         ]
-        # The index's register and the controller's notify run at once; the put returns when both are done,
-        # so a get after it finds the rows in both.
-        registered = self._index.register.remote(_WRITER, puts, _owners(metadata), reserved_tags)
-        await self.notify_data_update(metadata.partition_ids[0], indexes, field_schema(staged.frames))
-        await _wait(registered)
+        return self._index.register.remote(_WRITER, puts, _owners(metadata), reserved_tags)
 
     async def get_data(self, metadata: Any) -> TensorDict:
         indexes = list(metadata.global_indexes)

@@ -5,7 +5,10 @@ A store is a handle on one TransferQueue (TQ) system running on a Ray cluster
 owns it; :meth:`TransferQueueStore.attach` joins a running TQ from another
 process, a Ray actor, or the same process, and never stops it. Every store in
 a process shares TQ's one client per process; this module keeps no state of
-its own beyond each store's flags. What travels on the wire, and how, is
+its own beyond each store's flags and, on the ``RayObjectStore`` backend, its
+line to TQ's controller (:mod:`adapters.tq_controller_line`), on which a put, a
+clear and a get's lookup send their controller requests from the caller's
+thread instead of TQ's client loop. What travels on the wire, and how, is
 :mod:`adapters.tq_wire` (with :mod:`adapters.tq_mooncake` on that backend);
 this module sequences the TQ calls of each operation.
 
@@ -55,16 +58,25 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 import ray
 import transfer_queue as tq
 from tensordict import TensorDict
+from transfer_queue.utils.zmq_utils import ZMQRequestType as Request
 
 from adapters import tq_object_store, tq_system, tq_wire
-from adapters.store_health import DEFAULT_DEADLINES, ActorParts, Deadlines, ProbedActors, wait_for
+from adapters.store_health import (
+    DEFAULT_DEADLINES,
+    ActorParts,
+    Deadlines,
+    ProbedActors,
+    StoreFailure,
+    StoreTimeout,
+    wait_for,
+)
 from adapters.store_port import (
     RESERVED_TAG_PREFIX,
     StoreAdapter,
@@ -72,6 +84,7 @@ from adapters.store_port import (
     unknown_keys_error,
     validate_put,
 )
+from adapters.tq_controller_line import ControllerLine, Exchange
 from adapters.tq_system import Config, SystemHold, is_running
 from adapters.tq_wire import (
     PutPlan,
@@ -109,20 +122,6 @@ async def _drop_registered(client: tq.TransferQueueClient, meta: tq.BatchMeta) -
         with contextlib.suppress(Exception):
             await client._mark_clearing_in_controller(meta)
             await client._clear_meta_in_controller(meta)
-
-
-async def _lookup(
-    client: tq.TransferQueueClient, keys: Sequence[str], partition_id: str, wires: Sequence[str] | None
-) -> tuple[tq.BatchMeta, Any]:
-    """The controller's lookup of ``keys``; with ``wires``, also the :data:`adapters.tq_object_store.BACKEND` index's
-    locate of those wire fields of ``keys`` by key, sent once the lookup's request is out: the two are in flight at
-    once. Returns the lookup's meta and the locate's object ref (None without ``wires``)."""
-    lookup = asyncio.ensure_future(client.async_kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False))
-    located = None
-    if wires is not None:
-        await asyncio.sleep(0)  # the lookup's request leaves first
-        located = client.storage_manager.locate_keys(partition_id, keys, wires)
-    return await lookup, located
 
 
 class _TagsToSend(tq.BatchMeta):
@@ -180,12 +179,9 @@ async def _write(
             store_rows(meta), client.async_set_custom_meta(tags), return_exceptions=True
         )
     except asyncio.CancelledError:  # the call's deadline passed: set the old tags back, best effort, after it
-        _forget_keys(client, meta)
         if undo is not None:
             asyncio.ensure_future(client.async_set_custom_meta(undo))
         raise
-    if isinstance(stored, BaseException) or isinstance(tagged, BaseException):
-        _forget_keys(client, meta)
     if isinstance(stored, BaseException) and not isinstance(tagged, BaseException) and undo is not None:
         try:
             await client.async_set_custom_meta(undo)
@@ -197,15 +193,24 @@ async def _write(
 
 
 def _forget_keys(client: tq.TransferQueueClient, meta: tq.BatchMeta) -> None:
-    """After a failed put, on a backend whose index answers gets by key alone: have it answer these keys no more
+    """After a failed put on :data:`adapters.tq_object_store.BACKEND`: have the index answer these keys by key no more
     (:meth:`adapters.tq_object_store.RowIndex.forget_keys`), since their rows may have reached it while their tags
-    were set back (or the keys dropped). Runs on TQ's client loop once both halves of the put are done, so the index
-    gets it after the put's own call; never raises."""
+    were set back (or the keys dropped). Sent from the thread that sent the put's index call, so Ray delivers it
+    after that call; never raises."""
     forget = getattr(client.storage_manager, "forget_keys", None)
     owners = meta.extra_info.get(tq_object_store.OWNERS)
     if forget is not None and owners is not None:
         with contextlib.suppress(Exception):
             forget(*owners)
+
+
+def _check_notice(reply: Mapping[str, Any], partition_id: str) -> None:
+    """Raise unless TQ's controller says it recorded a put's fields as produced (its ``NOTIFY_DATA_UPDATE_ACK``)."""
+    if not reply.get("success", False):
+        raise RuntimeError(
+            f"TransferQueue's controller did not record the put's fields as produced in partition {partition_id!r} "
+            "(its log says why)"
+        )
 
 
 def _blocking_get(refs: Any) -> concurrent.futures.Future[Any]:
@@ -264,6 +269,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         self._kv_backend = hold.kv_backend
         self._by_key = hold.storage_backend == tq_object_store.BACKEND  # the index locates rows by key too
         self._wires: dict[tuple[str, tuple[str, ...]], list[str]] = {}  # the wire fields of the last get of some names
+        self._line: ControllerLine | None = None  # on the by-key backend: controller requests from the caller's thread
         self._closed = False
         self._lock = threading.Lock()
 
@@ -361,6 +367,34 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
 
         return wait
 
+    @contextlib.contextmanager
+    def _exchange(self, op: str) -> Iterator[Exchange]:
+        """The calling thread's line to TQ's controller for one call (:mod:`adapters.tq_controller_line`): the
+        waits for its replies share the call's one deadline, and the store's parts are probed while they wait.
+
+        Raises:
+            StoreFailure: a part was found dead earlier (nothing is sent).
+            RuntimeError: the store is closed.
+        """
+        self._parts.raise_if_failed()
+        with self._lock:
+            self._check_open()
+            if self._line is None:
+                client = tq_system.client()
+                self._line = ControllerLine(client._controller, client.client_id)
+            line = self._line
+        end = time.monotonic() + self._deadlines.call_s
+
+        def wait(poll: Callable[[float], tuple[bool, Any]]) -> Any:
+            left = max(end - time.monotonic(), 1e-3)
+            return wait_for(
+                poll, op=op, store=tq_system.STORE_NAME, deadlines=attrs.evolve(self._deadlines, call_s=left),
+                check=self.check_health,
+            )
+
+        with line.exchange(wait) as exchange:
+            yield exchange
+
     @property
     def storage_backend(self) -> str:
         """TransferQueue's storage backend: ``SimpleStorage``, ``RayObjectStore`` (:mod:`adapters.tq_object_store`),
@@ -384,15 +418,11 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         )
         plan = plan_put(receipt, fields, pad_rows=self._kv_backend)
         client = tq_system.client()
-        lookup = self._submit(
-            client.async_kv_retrieve_meta, keys=list(plan.receipt.keys), partition_id=partition_id, create=not require_stored
+        if self._by_key:
+            return self._put_by_line(client, plan, partition_id, reserved_tags, require_stored)
+        meta = self._call(
+            "put", client.async_kv_retrieve_meta, keys=list(plan.receipt.keys), partition_id=partition_id, create=not require_stored
         )
-        try:
-            store_rows = self._stage(client, plan.payload, reserved_tags)  # while the controller looks the keys up
-        except BaseException:
-            self._drop_lookup(client, plan, lookup, require_stored)
-            raise
-        meta = self._result("put", lookup)
         if require_stored:  # the same lookup that finds the keys tells which are missing: no extra round trip
             self._check_found(client, plan.receipt.keys, partition_id, meta)
         fresh = new_keys(plan, meta.custom_meta)
@@ -401,36 +431,126 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         meta.update_custom_meta(tag_updates(plan, meta.custom_meta, reserved_tags))
         self._name_owners(meta, partition_id, plan.receipt.keys)
         try:
-            self._call("put", _write, client, store_rows, meta, previous)
+            self._call("put", _write, client, functools.partial(client.storage_manager.put_data, plan.payload), meta, previous)
         except BaseException:
             self._drop_new_keys(client, meta, fresh)
             raise
         return plan.receipt
 
-    def _stage(
-        self, client: tq.TransferQueueClient, payload: TensorDict, reserved_tags: Sequence[Mapping[str, Any]] | None
-    ) -> Callable[[tq.BatchMeta], Coroutine[Any, Any, None]]:
-        """What stores a put's ``payload`` once its keys' meta is known. On
-        :data:`adapters.tq_object_store.BACKEND` the columns' bytes go into Ray's object store now, in this thread
-        (:meth:`adapters.tq_object_store.RayObjectStorageManager.stage`), which needs no global index, so that it
-        runs while the controller's lookup is in flight, and the put's ``reserved_tags`` go to the index with its
-        rows (a get of them by key needs no lookup); other backends store everything once the meta is known."""
-        manager = client.storage_manager
-        if self._by_key:
-            tags = None if reserved_tags is None else [dict(tag) for tag in reserved_tags]
-            return functools.partial(manager.put_staged, manager.stage(payload), reserved_tags=tags)
-        return functools.partial(manager.put_data, payload)
+    def _put_by_line(
+        self,
+        client: tq.TransferQueueClient,
+        plan: PutPlan,
+        partition_id: str,
+        reserved_tags: Sequence[Mapping[str, Any]] | None,
+        require_stored: bool,
+    ) -> KVBatchMeta:
+        """:meth:`_put` on :data:`adapters.tq_object_store.BACKEND`, its controller requests on the caller's line.
 
-    def _drop_lookup(
-        self, client: tq.TransferQueueClient, plan: PutPlan, lookup: concurrent.futures.Future[Any], require_stored: bool
+        The key lookup goes out first; the columns go into Ray's object store while the controller answers it
+        (:meth:`adapters.tq_object_store.RayObjectStorageManager.stage`); then the keys' tags, the controller's
+        notice and the index call go out together (:meth:`_write_by_line`). A put whose columns fail drops the keys
+        its lookup registered; one that fails later sets the keys' tags back or drops the new keys, as
+        :func:`_write` does on TQ's loop.
+        """
+        manager = client.storage_manager
+        keys = plan.receipt.keys
+        with self._exchange("put") as line:
+            line.send(Request.KV_RETRIEVE_META, {"keys": list(keys), "partition_id": partition_id, "create": not require_stored})
+            try:
+                staged = manager.stage(plan.payload)  # while the controller looks the keys up
+            except BaseException:
+                if not require_stored:  # the lookup registered the new keys: drop them (never raises)
+                    with contextlib.suppress(Exception):
+                        meta = line.receive(Request.KV_RETRIEVE_META_RESPONSE)["metadata"]
+                        self._drop_new_keys(client, meta, new_keys(plan, meta.custom_meta))
+                raise
+            meta = line.receive(Request.KV_RETRIEVE_META_RESPONSE)["metadata"]
+            if require_stored:  # the same lookup that finds the keys tells which are missing: no extra round trip
+                self._check_found(client, keys, partition_id, meta)
+            fresh = new_keys(plan, meta.custom_meta)
+            # The keys' tags before the put, to set back if its rows fail (the update below changes them in place).
+            previous = None if len(fresh) == len(keys) else [dict(tags) for tags in meta.custom_meta]
+            meta.update_custom_meta(tag_updates(plan, meta.custom_meta, reserved_tags))
+            self._name_owners(meta, partition_id, keys)
+            tags = None if reserved_tags is None else [dict(tag) for tag in reserved_tags]
+            try:
+                self._write_by_line(client, line, staged, meta, previous, tags)
+            except BaseException:
+                self._drop_new_keys(client, meta, fresh)
+                raise
+        return plan.receipt
+
+    def _write_by_line(
+        self,
+        client: tq.TransferQueueClient,
+        line: Exchange,
+        staged: tq_object_store.StagedColumns,
+        meta: tq.BatchMeta,
+        previous: list[dict[str, Any]] | None,
+        reserved_tags: list[dict[str, Any]] | None,
     ) -> None:
-        """After a put failed while its lookup was in flight: drop the keys that lookup registered; never raises."""
-        if require_stored:  # the lookup registers nothing
-            lookup.cancel()
+        """Store a staged put's rows at ``meta``'s global indexes: the keys' tags and the controller's notice that
+        the fields are produced go out on ``line``, and the index call to the index, at once; the put is done when
+        all three are.
+
+        All three finish before an error is raised, unless the line itself fails (a dead part, the call's
+        deadline, an interrupt), which ends the wait. On any failure the index forgets the keys; when the rows or
+        the notice failed and the tags were recorded, ``previous`` (the keys' tags before the put) is sent back and
+        waited for, as :func:`_write` does; after the line's own failure it is sent without waiting, best effort.
+        ``previous`` is None when every key is new: the caller drops them.
+        """
+        manager = client.storage_manager
+        indexes = list(meta.global_indexes)
+        partition_id = meta.partition_ids[0]
+        line.send(Request.SET_CUSTOM_META, {"partition_custom_meta": {partition_id: dict(zip(indexes, meta.custom_meta))}})
+        line.send(
+            Request.NOTIFY_DATA_UPDATE,
+            {
+                "partition_id": partition_id,
+                "global_indexes": indexes,
+                "field_schema": tq_object_store.field_schema(staged.frames),
+                "custom_backend_meta": None,
+            },
+        )
+        lost: BaseException | None = None
+
+        def outcome(step: Callable[[], Any]) -> BaseException | None:
+            nonlocal lost
+            if lost is not None:
+                return lost
+            try:
+                step()
+            except (StoreFailure, StoreTimeout, KeyboardInterrupt) as error:
+                lost = error
+                return error
+            except Exception as error:
+                return error
+            return None
+
+        refs: list[Any] = []
+        stored = outcome(lambda: refs.append(manager.register_staged(staged, meta, reserved_tags)))
+        tagged = outcome(lambda: line.receive(Request.SET_CUSTOM_META_RESPONSE))
+        noticed = outcome(lambda: _check_notice(line.receive(Request.NOTIFY_DATA_UPDATE_ACK), partition_id))
+        if refs:
+            stored = outcome(lambda: self._ray_waiter("put")(refs[0]))
+        if stored is None and noticed is None and tagged is None:
             return
-        with contextlib.suppress(Exception):
-            meta = self._result("put", lookup)
-            self._drop_new_keys(client, meta, new_keys(plan, meta.custom_meta))
+        _forget_keys(client, meta)
+        rows_failed = stored if stored is not None else noticed
+        if previous is not None and lost is not None:
+            with contextlib.suppress(Exception):
+                undo = _TagsToSend(global_indexes=meta.global_indexes, partition_ids=meta.partition_ids, custom_meta=previous)
+                self._submit(client.async_set_custom_meta, undo)
+        elif previous is not None and rows_failed is not None and tagged is None:
+            try:
+                line.send(Request.SET_CUSTOM_META, {"partition_custom_meta": {partition_id: dict(zip(indexes, previous))}})
+                line.receive(Request.SET_CUSTOM_META_RESPONSE)
+            except Exception as error:  # the rows' error is the one to raise; say the tags could not be set back
+                rows_failed.add_note(f"the keys' previous tags could not be set back either: {error!r}")
+        for error in (lost, stored, noticed, tagged):
+            if error is not None:
+                raise error
 
     def _drop_new_keys(self, client: tq.TransferQueueClient, meta: tq.BatchMeta, fresh: Sequence[int]) -> None:
         """Drop the keys at positions ``fresh`` of ``meta``, which a failed put registered; never raises."""
@@ -465,7 +585,14 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
                 data, tags = found
                 specs = {name: parse_wire_name(wire)[1] for name, wire in zip(names, guess)}
                 return decode_columns(specs, data, len(keys)), tags
-        meta, located = self._call("get", _lookup, client, keys, partition_id, guess)
+        if self._by_key:
+            with self._exchange("get") as line:
+                line.send(Request.KV_RETRIEVE_META, {"keys": list(keys), "partition_id": partition_id, "create": False})
+                # Sent once the lookup's request is out: the two are in flight at once.
+                located = None if guess is None else client.storage_manager.locate_keys(partition_id, keys, guess)
+                meta = line.receive(Request.KV_RETRIEVE_META_RESPONSE)["metadata"]
+        else:
+            meta, located = self._call("get", client.async_kv_retrieve_meta, keys=list(keys), partition_id=partition_id, create=False), None
         self._check_found(client, keys, partition_id, meta)
         specs = plan_get(keys, partition_id, names, meta.custom_meta)
         tags = pick_tags(meta.custom_meta, tag_names)
@@ -494,11 +621,11 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         """One TQ clear of the keys, after checking that all are stored (the controller's lookup); on Mooncake, one
         per field set; on :data:`adapters.tq_object_store.BACKEND`, :meth:`_drop_and_release`."""
         client = tq_system.client()
+        if self._by_key:
+            self._drop_and_release(client, partition_id, keys)
+            return
         meta = self._call("clear", client.async_kv_retrieve_meta, keys=list(keys), partition_id=partition_id, create=False)
         self._check_found(client, keys, partition_id, meta)
-        if self._by_key:
-            self._drop_and_release(client, meta, partition_id, keys)
-            return
         groups = field_set_groups(meta.custom_meta) if self._kv_backend else []
         if len(groups) <= 1:
             self._call("clear", client.async_clear_samples, meta)
@@ -509,25 +636,27 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             found = self._call("clear", client.async_kv_retrieve_meta, keys=subset, partition_id=partition_id, create=False)
             self._call("clear", client.async_clear_samples, found)
 
-    def _drop_and_release(
-        self, client: tq.TransferQueueClient, meta: tq.BatchMeta, partition_id: str, keys: Sequence[str]
-    ) -> None:
-        """The rest of a clear on :data:`adapters.tq_object_store.BACKEND`, once the lookup found every key at
-        ``meta``'s global indexes: the index drops the keys' rows (in this thread) while the controller releases
-        the indexes, one round trip for both. TQ's ``clear_samples`` makes three, one after another: it marks the
-        rows as being cleared, so that its own consumers of new rows skip them, clears storage, and only then
-        releases the indexes, so that no put can reuse an index before its rows are gone. Here the index drops
+    def _drop_and_release(self, client: tq.TransferQueueClient, partition_id: str, keys: Sequence[str]) -> None:
+        """A clear on :data:`adapters.tq_object_store.BACKEND`, on the caller's line: the controller's lookup checks
+        that every key is stored; then the index drops the keys' rows (in this thread) while the controller releases
+        their global indexes, one round trip for both. TQ's ``clear_samples`` makes three, one after another: it
+        marks the rows as being cleared, so that its own consumers of new rows skip them, clears storage, and only
+        then releases the indexes, so that no put can reuse an index before its rows are gone. Here the index drops
         only rows that the cleared keys still hold (:meth:`adapters.tq_object_store.RowIndex.clear_owned`), so a
         put that reuses a released index keeps its rows whichever arrives first; and this adapter reads rows by
         key, never as TQ's consumer of new rows. Both halves finish before either's error is raised."""
-        released = self._submit(client._clear_meta_in_controller, meta)
-        try:
-            client.storage_manager.drop_owned(partition_id, keys, list(meta.global_indexes), wait=self._ray_waiter("clear"))
-        except BaseException:
-            with contextlib.suppress(Exception):  # the drop's error is the one to raise
-                self._result("clear", released)
-            raise
-        self._result("clear", released)
+        with self._exchange("clear") as line:
+            line.send(Request.KV_RETRIEVE_META, {"keys": list(keys), "partition_id": partition_id, "create": False})
+            meta = line.receive(Request.KV_RETRIEVE_META_RESPONSE)["metadata"]
+            self._check_found(client, keys, partition_id, meta)
+            line.send(Request.CLEAR_META, {"global_indexes": meta.global_indexes, "partition_ids": meta.partition_ids})
+            try:
+                client.storage_manager.drop_owned(partition_id, keys, list(meta.global_indexes), wait=self._ray_waiter("clear"))
+            except BaseException:
+                with contextlib.suppress(Exception):  # the drop's error is the one to raise
+                    line.receive(Request.CLEAR_META_RESPONSE)
+                raise
+            line.receive(Request.CLEAR_META_RESPONSE)
 
     def _list_keys(self, partition_id: str) -> tuple[str, ...]:
         listed = self._call("list_keys", tq_system.client().async_kv_list, partition_id)
@@ -549,6 +678,9 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             if self._closed:
                 return
             self._closed = True
+            line, self._line = self._line, None
+        if line is not None:
+            line.close()
         tq_system.release(self._hold, graceful=self._parts.failure is None)
 
     def _check_open(self) -> None:

@@ -119,6 +119,62 @@ TQ_TEST_CONFIGS: dict[str, dict[str, Any]] = {
 """TransferQueue settings per backend for the test session (Mooncake: segments sized for a 24 GiB machine)."""
 
 
+PUT_STEPS = ("columns", "tags", "notice")
+"""The steps of the adapter's TransferQueue put that :func:`fail_put_step` can make fail."""
+
+
+def fail_put_step(monkeypatch: pytest.MonkeyPatch, step: str) -> tuple[type[Exception], str]:
+    """Make one step of every adapter put in this process fail until ``monkeypatch`` is undone: ``"columns"`` (the
+    rows' write to storage), ``"tags"`` (the keys' tags) or ``"notice"`` (the controller's notice that the fields
+    are produced). Returns the exception type and the message pattern the put then raises.
+
+    On RayObjectStore the tags and the notice go on the store's line to the controller
+    (:mod:`adapters.tq_controller_line`): the request is swapped for one the controller answers with another reply,
+    so it is not applied, and the put's wait for its reply raises ``RuntimeError``, as for a request the controller
+    refuses. The columns' index call raises ``ConnectionError``. On the other backends TQ's client or storage
+    manager method raises ``ConnectionError``.
+    """
+    import transfer_queue as tq
+    from transfer_queue.utils.zmq_utils import ZMQRequestType
+
+    from adapters.tq_controller_line import Exchange
+
+    if step not in PUT_STEPS:
+        raise ValueError(f"'step' must be one of {PUT_STEPS}: got {step!r}")
+    client = tq.get_client()
+    if TQ_BACKEND == "RayObjectStore" and step != "columns":
+        request, reply = {
+            "tags": (ZMQRequestType.SET_CUSTOM_META, ZMQRequestType.SET_CUSTOM_META_RESPONSE),
+            "notice": (ZMQRequestType.NOTIFY_DATA_UPDATE, ZMQRequestType.NOTIFY_DATA_UPDATE_ACK),
+        }[step]
+        send = Exchange.send
+
+        def swapped(self: Exchange, request_type: Any, body: dict[str, Any]) -> None:
+            if request_type == request:
+                return send(self, ZMQRequestType.KV_LIST, {"partition_id": f"refused-{uuid.uuid4().hex}"})
+            return send(self, request_type, body)
+
+        monkeypatch.setattr(Exchange, "send", swapped)
+        return RuntimeError, f"expected {reply.value}"
+
+    def sync_fails(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError(f"{step} went away")
+
+    async def fails(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError(f"{step} went away")
+
+    if step == "columns":
+        if TQ_BACKEND == "RayObjectStore":
+            monkeypatch.setattr(client.storage_manager, "register_staged", sync_fails)
+        else:
+            monkeypatch.setattr(client.storage_manager, "put_data", fails)
+    elif step == "tags":
+        monkeypatch.setattr(client, "async_set_custom_meta", fails)
+    else:
+        monkeypatch.setattr(client.storage_manager, "notify_data_update", fails)
+    return ConnectionError, f"{step} went away"
+
+
 @pytest.fixture(scope="session")
 def tq_store_session(ray_cluster: None) -> Iterator[TransferQueueStore]:
     """TransferQueue (``TQ_BACKEND``, RayObjectStore by default) started once on the session's Ray cluster; the owning store.

@@ -32,12 +32,14 @@ import pytest
 import ray
 import torch
 from tensordict import TensorDict
+from transfer_queue.utils.zmq_utils import ZMQRequestType
 
 from adapters import tq_object_store, tq_system
 from adapters.store_health import Deadlines, StoreFailure, StoreTimeout
+from adapters.tq_controller_line import Exchange
 from adapters.transfer_queue import TransferQueueStore
 from shell.metering import IntegrityError, MeteredClient
-from tests.e2e.conftest import ROOT, TQ_BACKEND
+from tests.e2e.conftest import ROOT, TQ_BACKEND, fail_put_step
 
 pytestmark = pytest.mark.e2e
 
@@ -318,22 +320,15 @@ def test_a_put_failing_after_its_rows_reached_the_index_leaves_no_row_a_get_by_k
     of ``y`` (another key's get), so without more a get by key alone would read the failed put's rows. The failed
     put has the index forget its keys: the get goes through the lookup and raises ``KeyError``, as the port says."""
     store = TransferQueueStore.attach()
-    manager = tq_system.client().storage_manager
     y = TensorDict({"y": torch.ones(1, 2)}, batch_size=[1])
     store.put(["k"], partition, TensorDict({"x": torch.tensor([7])}, batch_size=[1]))
     store.put(["other"], partition, y)
     store.get(["other"], partition, ["y"])  # now the store knows y's wire field: a get of y may ask the index alone
     store.get(["k"], partition, ["x"])
 
-    async def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
-        raise ConnectionError("controller went away")
-
-    if fails == "notice":
-        monkeypatch.setattr(manager, "notify_data_update", failing)
-    else:
-        monkeypatch.setattr(tq_system.client(), "async_set_custom_meta", failing)
+    error, message = fail_put_step(monkeypatch, fails)
     for keys in (["k"], ["new"]):
-        with pytest.raises(ConnectionError, match="controller went away"):
+        with pytest.raises(error, match=message):
             store.put(keys, partition, TensorDict({"y": torch.full((1, 2), 5.0)}, batch_size=[1]))
     monkeypatch.undo()
     for key in ("k", "new"):
@@ -403,13 +398,11 @@ def test_a_verified_get_reads_rows_and_digests_by_key_and_still_catches_a_change
         client.get(["a", "b"], partition, ["x"])
     assert info.value.keys == ("b",) and lookups == []
 
-    async def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
-        raise ConnectionError("controller went away")
-
     client.put(["a"], partition, TensorDict({"x": _jagged([[9]])}, batch_size=[1]))
-    with monkeypatch.context() as patch, pytest.raises(ConnectionError, match="controller went away"):
-        patch.setattr(tq_system.client(), "async_set_custom_meta", failing)
-        client.put(["a"], partition, TensorDict({"x": _jagged([[10, 11]])}, batch_size=[1]))
+    with monkeypatch.context() as patch:
+        error, message = fail_put_step(patch, "tags")
+        with pytest.raises(error, match=message):
+            client.put(["a"], partition, TensorDict({"x": _jagged([[10, 11]])}, batch_size=[1]))
     lookups.clear()
     with pytest.raises(IntegrityError) as info:  # its rows reached the index, its digest did not reach the keys
         client.get(["a"], partition, ["x"])
@@ -424,15 +417,22 @@ def test_a_verified_get_reads_rows_and_digests_by_key_and_still_catches_a_change
 
 
 def _count_lookups(monkeypatch: pytest.MonkeyPatch) -> list[None]:
-    """A list that grows by one at each controller key lookup of this process's TQ client."""
+    """A list that grows by one at each controller key lookup of this process: on a store's line to the controller,
+    or through TQ's client."""
     client = tq_system.client()
-    original, seen = client.async_kv_retrieve_meta, []
+    original, send, seen = client.async_kv_retrieve_meta, Exchange.send, []
 
     async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
         seen.append(None)
         return await original(*args, **kwargs)
 
+    def counted_send(self: Exchange, request_type: ZMQRequestType, body: dict) -> None:  # type: ignore[type-arg]
+        if request_type == ZMQRequestType.KV_RETRIEVE_META:
+            seen.append(None)
+        send(self, request_type, body)
+
     monkeypatch.setattr(client, "async_kv_retrieve_meta", counted)
+    monkeypatch.setattr(Exchange, "send", counted_send)
     return seen
 
 

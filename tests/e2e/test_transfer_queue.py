@@ -25,7 +25,6 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from adapters.rows import ColumnSpec, columns_equal, stack_column
 from adapters.tq_mooncake import from_zero_byte_placeholder, pad_jagged_rows, unpad_jagged_rows, zero_byte_placeholder
-from adapters.tq_object_store import BACKEND as OBJECT_STORE
 from adapters.tq_system import known_backends, quiet_logs, resolve_config
 from adapters.tq_wire import (
     decode_column,
@@ -38,14 +37,13 @@ from adapters.tq_wire import (
 )
 from adapters.transfer_queue import TransferQueueStore, is_running
 from core.codec import jagged_lengths, to_jagged
-from tests.e2e.conftest import TQ_BACKEND
+from tests.e2e.conftest import PUT_STEPS, TQ_BACKEND, fail_put_step
 from tests.e2e.store_peer import check_round_trip_through_peer, run_without_ray, trainer_batch
 from tests.property.strategies import digest_columns
 
 pytestmark = pytest.mark.e2e
 
 
-STORES_COLUMNS = "put_staged" if TQ_BACKEND == OBJECT_STORE else "put_data"
 """The session storage manager's method by which the adapter stores a put's columns once the keys' meta is known
 (on ``RayObjectStore`` the columns reach Ray's object store before, while the keys' lookup is in flight)."""
 
@@ -208,12 +206,8 @@ def test_put_failing_in_transfer_queue_clears_the_keys_it_registered(
     """When TQ's write fails after the keys were registered, the new keys are cleared and old ones kept."""
     store = TransferQueueStore.attach()
     store.put(["old"], partition, TensorDict({"x": torch.tensor([7])}, batch_size=[1]))
-
-    async def failing_put(*args: Any, **kwargs: Any) -> None:
-        raise ConnectionError("storage unit went away")
-
-    monkeypatch.setattr(tq.get_client().storage_manager, STORES_COLUMNS, failing_put)
-    with pytest.raises(ConnectionError, match=r"storage unit went away"):
+    error, message = fail_put_step(monkeypatch, "columns")
+    with pytest.raises(error, match=message):
         store.put(["new1", "old", "new2"], partition, TensorDict({"x": torch.tensor([1, 2, 3])}, batch_size=[3]))
     monkeypatch.undo()
     assert store.list_keys(partition) == ("old",)
@@ -222,22 +216,16 @@ def test_put_failing_in_transfer_queue_clears_the_keys_it_registered(
     store.close()
 
 
-@pytest.mark.parametrize("failing", [f"storage_manager.{STORES_COLUMNS}", "async_set_custom_meta"])
-def test_put_of_new_keys_failing_in_either_half_leaves_no_key(
+@pytest.mark.parametrize("failing", PUT_STEPS)
+def test_put_of_new_keys_failing_in_any_step_leaves_no_key(
     tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch, failing: str
 ) -> None:
-    """A put of new keys sends its columns and its tags at once: whichever fails, the put raises it and registers
-    nothing, and the next put of the same keys stores them whole."""
+    """A put of new keys sends its columns, its tags and (on RayObjectStore) the controller's notice at once:
+    whichever fails, the put raises it and registers nothing, and the next put of the same keys stores them whole."""
     store = TransferQueueStore.attach()
-    client = tq.get_client()
-    owner = client.storage_manager if failing.startswith("storage_manager.") else client
-
-    async def fails(*args: Any, **kwargs: Any) -> None:
-        raise ConnectionError(f"{failing} went away")
-
-    monkeypatch.setattr(owner, failing.rsplit(".", 1)[-1], fails)
+    error, message = fail_put_step(monkeypatch, failing)
     batch = TensorDict({"x": torch.tensor([1, 2])}, batch_size=[2])
-    with pytest.raises(ConnectionError, match=rf"{failing} went away"):
+    with pytest.raises(error, match=message):
         store.put(["n1", "n2"], partition, batch)
     monkeypatch.undo()
     assert store.list_keys(partition) == ()
@@ -256,12 +244,8 @@ def test_rewrite_failing_in_its_columns_leaves_the_tags_as_they_were(
     store = TransferQueueStore.attach()
     store.put(["k"], partition, TensorDict({"x": torch.tensor([7])}, batch_size=[1]), tags=[{"t": 1}])
     before = store.describe(["k"], partition)
-
-    async def failing_put(*args: Any, **kwargs: Any) -> None:
-        raise ConnectionError("storage unit went away")
-
-    monkeypatch.setattr(tq.get_client().storage_manager, STORES_COLUMNS, failing_put)
-    with pytest.raises(ConnectionError, match=r"storage unit went away"):
+    error, message = fail_put_step(monkeypatch, "columns")
+    with pytest.raises(error, match=message):
         store.put(["k"], partition, TensorDict({"y": torch.ones(1, 2)}, batch_size=[1]), tags=tags)
     monkeypatch.undo()
     assert store.describe(["k"], partition) == before
