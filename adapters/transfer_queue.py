@@ -6,9 +6,9 @@ owns it; :meth:`TransferQueueStore.attach` joins a running TQ from another
 process, a Ray actor, or the same process, and never stops it. Every store in
 a process shares TQ's one client per process; this module keeps no state of
 its own beyond each store's flags and, on the ``RayObjectStore`` backend, its
-line to TQ's controller (:mod:`adapters.tq_controller_line`), on which a put, a
-clear and a get's lookup send their controller requests from the caller's
-thread instead of TQ's client loop. What travels on the wire, and how, is
+line to TQ's controller (:mod:`adapters.tq_controller_line`), on which every
+call sends its controller requests from the caller's thread instead of TQ's
+client loop (but the clean-up of a failed put's new keys). What travels on the wire, and how, is
 :mod:`adapters.tq_wire` (with :mod:`adapters.tq_mooncake` on that backend);
 this module sequences the TQ calls of each operation.
 
@@ -659,13 +659,23 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             line.receive(Request.CLEAR_META_RESPONSE)
 
     def _list_keys(self, partition_id: str) -> tuple[str, ...]:
-        listed = self._call("list_keys", tq_system.client().async_kv_list, partition_id)
+        if self._by_key:
+            with self._exchange("list_keys") as line:
+                line.send(Request.KV_LIST, {"partition_id": partition_id})
+                listed = line.receive(Request.KV_LIST_RESPONSE).get("partition_info") or {}
+        else:
+            listed = self._call("list_keys", tq_system.client().async_kv_list, partition_id)
         return tuple(listed.get(partition_id, {}))
 
     def _describe(self, keys: tuple[str, ...], partition_id: str) -> KVBatchMeta:
         """The meta's tags with the reserved ones hidden (see :func:`adapters.tq_wire.describe_meta`)."""
         client = tq_system.client()
-        meta = self._call("describe", client.async_kv_retrieve_meta, keys=list(keys), partition_id=partition_id, create=False)
+        if self._by_key:
+            with self._exchange("describe") as line:
+                line.send(Request.KV_RETRIEVE_META, {"keys": list(keys), "partition_id": partition_id, "create": False})
+                meta = line.receive(Request.KV_RETRIEVE_META_RESPONSE)["metadata"]
+        else:
+            meta = self._call("describe", client.async_kv_retrieve_meta, keys=list(keys), partition_id=partition_id, create=False)
         self._check_found(client, keys, partition_id, meta)
         return describe_meta(keys, partition_id, meta.custom_meta)
 
