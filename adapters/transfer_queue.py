@@ -425,17 +425,25 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         )
         if require_stored:  # the same lookup that finds the keys tells which are missing: no extra round trip
             self._check_found(client, plan.receipt.keys, partition_id, meta)
-        fresh = new_keys(plan, meta.custom_meta)
-        # The keys' tags before the put, to set back if its columns fail (the update below changes them in place).
-        previous = None if len(fresh) == len(plan.receipt.keys) else [dict(tags) for tags in meta.custom_meta]
-        meta.update_custom_meta(tag_updates(plan, meta.custom_meta, reserved_tags))
-        self._name_owners(meta, partition_id, plan.receipt.keys)
+        fresh, previous = self._merge_tags(plan, meta, partition_id, reserved_tags)
         try:
             self._call("put", _write, client, functools.partial(client.storage_manager.put_data, plan.payload), meta, previous)
         except BaseException:
             self._drop_new_keys(client, meta, fresh)
             raise
         return plan.receipt
+
+    def _merge_tags(
+        self, plan: PutPlan, meta: tq.BatchMeta, partition_id: str, reserved_tags: Sequence[Mapping[str, Any]] | None
+    ) -> tuple[list[int], list[dict[str, Any]] | None]:
+        """Merge a put's tags into its lookup's ``meta`` (in place) and name the rows' owners there; returns the
+        positions of the keys the put registers, and the keys' tags before the put, to set back if its rows fail
+        (None when every key is new: the caller drops them instead)."""
+        fresh = new_keys(plan, meta.custom_meta)
+        previous = None if len(fresh) == len(plan.receipt.keys) else [dict(tags) for tags in meta.custom_meta]
+        meta.update_custom_meta(tag_updates(plan, meta.custom_meta, reserved_tags))
+        self._name_owners(meta, partition_id, plan.receipt.keys)
+        return fresh, previous
 
     def _put_by_line(
         self,
@@ -468,11 +476,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             meta = line.receive(Request.KV_RETRIEVE_META_RESPONSE)["metadata"]
             if require_stored:  # the same lookup that finds the keys tells which are missing: no extra round trip
                 self._check_found(client, keys, partition_id, meta)
-            fresh = new_keys(plan, meta.custom_meta)
-            # The keys' tags before the put, to set back if its rows fail (the update below changes them in place).
-            previous = None if len(fresh) == len(keys) else [dict(tags) for tags in meta.custom_meta]
-            meta.update_custom_meta(tag_updates(plan, meta.custom_meta, reserved_tags))
-            self._name_owners(meta, partition_id, keys)
+            fresh, previous = self._merge_tags(plan, meta, partition_id, reserved_tags)
             tags = None if reserved_tags is None else [dict(tag) for tag in reserved_tags]
             try:
                 self._write_by_line(client, line, staged, meta, previous, tags)
