@@ -455,13 +455,10 @@ class RayObjectStorageManager(StorageManager):
             ValueError: ``metadata`` names another number of global indexes than ``staged`` has rows.
         """
         indexes = list(metadata.global_indexes)
-        n = len(indexes)
-        if staged.rows != n:
-            raise ValueError(f"the put has {staged.rows} rows: its meta names {n} global indexes")
-        if n == 0:
+        if staged.rows == len(indexes) == 0:
             return
-        # The index's register and the controller's notify run at once; the put returns when both are done,
-        # so a get after it finds the rows in both.
+        # The index's register (which checks the row count) and the controller's notify run at once; the put
+        # returns when both are done, so a get after it finds the rows in both.
         registered = self.register_staged(staged, metadata, reserved_tags)
         await self.notify_data_update(metadata.partition_ids[0], indexes, field_schema(staged.frames))
         await _wait(registered)
@@ -471,7 +468,7 @@ class RayObjectStorageManager(StorageManager):
     ) -> Any:
         """Send the index the rows of ``staged`` at the global indexes ``metadata`` names (the index half of
         :meth:`put_staged`, without the controller's notice, which the caller sends) and return the call's object
-        ref at once. ``staged`` has as many rows as ``metadata`` names (:meth:`put_staged` checks it).
+        ref at once.
 
         Raises:
             ValueError: ``metadata`` names another number of global indexes than ``staged`` has rows.
