@@ -54,6 +54,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from core.checks import check_int_entries
 from core.codec import is_jagged
+from core.jagged import jagged_parts
 from core.dtypes import BIT_VIEWS, CODEC_DTYPE_NAMES, check_codec_dtype, dtype_from_name, from_bits, to_bits
 
 Kind = Literal["dense", "jagged", "object_array", "non_tensor_stack"]
@@ -289,14 +290,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _tensor_spec(field: str, value: torch.Tensor, n: int) -> ColumnSpec:
-    # Each attribute of a jagged tensor costs a __torch_function__ call: read each once.
+    # Each attribute of a jagged tensor costs a __torch_function__ call: read its buffers instead.
+    parts = jagged_parts(value)
+    if parts is not None:
+        if parts.ragged_dim != 1:
+            raise ValueError(f"{field} must be a jagged tensor ragged along dim 1: got ragged dims {[parts.ragged_dim]}")
+        _check_rows(field, parts.offsets.shape[0] - 1, n)
+        return ColumnSpec("jagged", _dtype_name(check_codec_dtype(parts.values.dtype, field)), tuple(parts.values.shape[1:]))
     shape, layout = value.shape, value.layout
-    if layout == torch.jagged:
-        ragged = [i for i, size in enumerate(shape) if isinstance(size, torch.SymInt)]
-        if ragged != [1]:
-            raise ValueError(f"{field} must be a jagged tensor ragged along dim 1: got ragged dims {ragged}")
-        _check_rows(field, shape[0], n)
-        return ColumnSpec("jagged", _dtype_name(check_codec_dtype(value.dtype, field)), tuple(shape[2:]))
     if value.is_nested:
         raise TypeError(
             f"{field} must be dense or a torch.jagged nested tensor: got a nested tensor with layout "

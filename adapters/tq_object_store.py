@@ -105,6 +105,7 @@ from transfer_queue.storage.bootstrap import StorageBootstrapProvider
 from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 
 from adapters.store_port import RESERVED_TAG_PREFIX
+from core.jagged import JaggedParts, from_values_offsets, jagged_parts
 from adapters.tq_row_index import (  # the index (a light module: its actor starts without torch); re-exported
     BACKEND,
     INDEX_NAME,
@@ -170,8 +171,9 @@ def frame_column(field: str, value: Any, n: int) -> Frame:
             f"{BACKEND} stores tensor columns only: field {field!r} is a {type(value).__name__} "
             "(put object columns through adapters.transfer_queue.TransferQueueStore, which sends them as bytes)"
         )
-    if value.is_nested:
-        values, offsets = _jagged_parts(field, value)
+    parts = jagged_parts(value)
+    if parts is not None or value.is_nested:
+        values, offsets = _jagged_parts(field, value, parts)
     else:
         values, offsets = value, None
     rows = len(offsets) - 1 if offsets is not None else (values.shape[0] if values.dim() else None)
@@ -186,11 +188,11 @@ def frame_column(field: str, value: Any, n: int) -> Frame:
     }
 
 
-def _jagged_parts(field: str, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, offsets)`` of a nested column, offsets starting at 0."""
-    if value.layout == torch.jagged and value.lengths() is None:
-        offsets = value.offsets().to(torch.int64)
-        values = value.values()
+def _jagged_parts(field: str, value: torch.Tensor, parts: JaggedParts | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, offsets)`` of a nested column (``parts``: its buffers when it is jagged), offsets starting at 0."""
+    if parts is not None and parts.lengths is None:
+        offsets = parts.offsets.to(torch.int64)
+        values = parts.values
         if int(offsets[0]) != 0 or int(offsets[-1]) != values.shape[0]:
             values = values[int(offsets[0]) : int(offsets[-1])]
             offsets = offsets - offsets[0]
@@ -331,7 +333,7 @@ def _column_tensor(raw: np.ndarray, offsets: np.ndarray | None, frame: Frame) ->
     values = _column_values(raw, frame)
     if offsets is None:
         return values
-    return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets))
+    return from_values_offsets(values, torch.from_numpy(offsets))
 
 
 def _concat(parts: Sequence[tuple[np.ndarray, np.ndarray | None]]) -> tuple[np.ndarray, np.ndarray | None]:

@@ -58,6 +58,7 @@ from adapters.tq_mooncake import (
     zero_byte_rows,
 )
 from core.frozen import thaw
+from core.jagged import jagged_parts
 from core.meta import KVBatchMeta
 
 SPEC_TAG = "__kvspec__"
@@ -413,26 +414,30 @@ def decode_column(name: str, spec: ColumnSpec, value: Any, n: int) -> Any:
         >>> decode_column("x", ColumnSpec("dense", "float32", (2,)), back, 2).tolist()
         [[0.0, 0.0], [1.0, 1.0]]
     """
-    if isinstance(value, torch.Tensor):
-        # Each attribute of a jagged tensor costs a __torch_function__ call: read each once.
-        shape, layout, dtype = value.shape, value.layout, value.dtype
-        if not shape or shape[0] != n:
-            got = shape[0] if shape else "a 0-d tensor, no"
-            raise RuntimeError(f"TransferQueue returned {got} rows of field {name!r}: expected {n}")
-        if layout == torch.jagged and value.lengths() is None:
-            inner = tuple(shape[2:])
+    parts = jagged_parts(value)
+    if parts is not None:
+        # Each attribute of a jagged tensor costs a __torch_function__ call: read its buffers instead.
+        if parts.offsets.shape[0] - 1 != n:
+            raise RuntimeError(f"TransferQueue returned {parts.offsets.shape[0] - 1} rows of field {name!r}: expected {n}")
+        values, dtype = parts.values, parts.values.dtype
+        if parts.lengths is None and parts.ragged_dim == 1:
+            inner = tuple(values.shape[1:])
             if spec.kind == "jagged" and dtype == spec.torch_dtype and inner == spec.shape:
                 return value
             width = spec.shape[0] if spec.shape else 1  # Mooncake returns an (N,) field as rows of one element
             if spec.kind == "dense" and dtype == spec.torch_dtype and inner == spec.shape[1:]:
-                values = value.values()
-                if values.shape[0] == n * width and bool((value.offsets().diff() == width).all()):
+                if values.shape[0] == n * width and bool((parts.offsets.diff() == width).all()):
                     return values.reshape(n, *spec.shape)
             if spec.kind not in TENSOR_KINDS and dtype == torch.uint8 and not inner:
-                flat = value.values().numpy().tobytes()
-                bounds = value.offsets().tolist()
+                flat = values.numpy().tobytes()
+                bounds = parts.offsets.tolist()
                 return stack_column(name, spec, [pickle.loads(flat[a:b]) for a, b in zip(bounds, bounds[1:])])
-        elif layout == torch.strided and not value.is_nested and spec.kind == "dense" and dtype == spec.torch_dtype:
+    elif isinstance(value, torch.Tensor):
+        shape, layout, dtype = value.shape, value.layout, value.dtype
+        if not shape or shape[0] != n:
+            got = shape[0] if shape else "a 0-d tensor, no"
+            raise RuntimeError(f"TransferQueue returned {got} rows of field {name!r}: expected {n}")
+        if layout == torch.strided and not value.is_nested and spec.kind == "dense" and dtype == spec.torch_dtype:
             if shape[1:] == spec.shape:
                 return value
     if spec.kind not in TENSOR_KINDS:

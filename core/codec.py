@@ -42,6 +42,8 @@ import torch
 
 from core.checks import check_int_entries
 from core.dtypes import check_codec_dtype, from_bits, to_bits
+from core.jagged import is_jagged as _is_jagged
+from core.jagged import JaggedParts, from_values_offsets, jagged_parts
 
 Layout = Literal["padded", "jagged"]
 RowLengths = tuple[int, ...]
@@ -54,7 +56,7 @@ Fields = dict[str, torch.Tensor]
 
 def is_jagged(t: Any) -> bool:
     """True when ``t`` is a ``torch.jagged`` nested tensor (any other value: False)."""
-    return isinstance(t, torch.Tensor) and t.is_nested and t.layout == torch.jagged
+    return _is_jagged(t)
 
 
 def jagged_lengths(jagged: torch.Tensor) -> RowLengths:
@@ -339,7 +341,7 @@ def _to_jagged(padded: Any, lengths: Any, arg: str) -> torch.Tensor:
     # masked_select is the fastest gather for (N, S) rows; boolean indexing for trailing dims.
     values = torch.masked_select(bits, mask) if bits.dim() == 2 else bits[mask]
     offsets = torch.cat((lens.new_zeros(1), lens.cumsum(0)))
-    return from_bits(torch.nested.nested_tensor_from_jagged(values, offsets), padded.dtype)
+    return from_values_offsets(from_bits(values, padded.dtype), offsets)
 
 
 def _checked_lengths(padded: Any, lengths: Any, arg: str) -> torch.Tensor:
@@ -372,12 +374,10 @@ def _to_padded(
     arg: str,
     pad_arg: str,
 ) -> torch.Tensor:
-    _check_jagged(jagged, arg)
-    check_codec_dtype(jagged.dtype, arg)
-    values = jagged.values()
-    offsets = jagged.offsets()
+    values, offsets, explicit, _ragged = _checked_parts(jagged, arg)
+    check_codec_dtype(values.dtype, arg)
     fill = _pad_fill(pad_value, values.dtype, pad_arg)
-    lens = _row_lengths(jagged)
+    lens = explicit.to(torch.int64) if explicit is not None else offsets.diff()
     n = lens.shape[0]
     longest = int(lens.max()) if n else 0
     if pad_to_length is None:
@@ -394,7 +394,7 @@ def _to_padded(
     # Gather and scatter the bit views (out_bits is a view of out): uint16/32/64 and float8
     # have no index_select / masked_scatter_ kernels.
     out_bits, values = to_bits(out), to_bits(values)
-    if jagged.lengths() is None:
+    if explicit is None:
         # Rows lie back to back in values[offsets[0]:offsets[-1]].
         start = int(offsets[0])
         rows = values.narrow(0, start, int(offsets[-1]) - start)
@@ -409,9 +409,15 @@ def _to_padded(
 
 
 def _check_jagged(t: Any, arg: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{arg} must be a torch.jagged nested tensor: got {type(t).__name__}")
-    if not is_jagged(t):
+    _checked_parts(t, arg)
+
+
+def _checked_parts(t: Any, arg: str) -> JaggedParts:
+    """The buffers of ``t``, a ``torch.jagged`` nested tensor ragged along dim 1 (the token dim)."""
+    parts = jagged_parts(t)
+    if parts is None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg} must be a torch.jagged nested tensor: got {type(t).__name__}")
         if t.is_nested:
             raise TypeError(
                 f"{arg} must be a torch.jagged nested tensor: got layout {t.layout}; "
@@ -421,14 +427,14 @@ def _check_jagged(t: Any, arg: str) -> None:
             f"{arg} must be a torch.jagged nested tensor: got a dense tensor of shape "
             f"{tuple(t.shape)}; make it jagged with to_jagged(padded, lengths)"
         )
-    ragged = [i for i, size in enumerate(t.shape) if isinstance(size, torch.SymInt)]
-    if ragged != [1]:
-        raise ValueError(f"{arg} must be ragged along dim 1 (the token dim): got ragged dims {ragged}")
+    if parts.ragged_dim != 1:
+        raise ValueError(f"{arg} must be ragged along dim 1 (the token dim): got ragged dims {[parts.ragged_dim]}")
+    return parts
 
 
 def _row_lengths(jagged: torch.Tensor) -> torch.Tensor:
-    explicit = jagged.lengths()
-    return explicit.to(torch.int64) if explicit is not None else jagged.offsets().diff()
+    _values, offsets, explicit, _ragged = _checked_parts(jagged, "'jagged'")
+    return explicit.to(torch.int64) if explicit is not None else offsets.diff()
 
 
 def _lengths_tuple(lengths: Any) -> RowLengths:
@@ -512,7 +518,7 @@ def _check_fields(fields: Any) -> None:
             raise TypeError(f"'fields' keys must be str: got {type(name).__name__}")
         if not isinstance(field, torch.Tensor):
             raise TypeError(f"'fields[{name!r}]' must be a torch.Tensor: got {type(field).__name__}")
-        if field.is_nested and not is_jagged(field):
+        if not _is_jagged(field) and field.is_nested:
             raise TypeError(
                 f"'fields[{name!r}]' must be dense or torch.jagged: got a nested tensor with layout "
                 f"{field.layout}; rebuild it with torch.nested.nested_tensor(rows, layout=torch.jagged)"

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from core.frozen import FrozenDict
+from core.jagged import from_values_offsets, is_jagged, jagged_parts
 
 NATIVE_DTYPES: tuple[torch.dtype, ...] = (
     torch.bool,
@@ -160,14 +161,15 @@ def from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if t.layout != torch.jagged:
+    parts = jagged_parts(t)
+    if parts is None:
         return t.view(dtype)
     # A jagged tensor has no dtype view of its own: view its values, keep offsets and lengths.
-    return torch.nested.nested_tensor_from_jagged(t.values().view(dtype), t.offsets(), lengths=t.lengths())
+    return from_values_offsets(parts.values.view(dtype), parts.offsets, parts.lengths)
 
 
 def _check_tensor(t: Any, arg: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor: got {type(t).__name__}")
-    if t.is_nested and t.layout != torch.jagged:
+    if not is_jagged(t) and t.is_nested:
         raise TypeError(f"{arg} must be dense or a torch.jagged nested tensor: got a nested tensor with layout {t.layout}")
