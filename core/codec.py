@@ -42,8 +42,7 @@ import torch
 
 from core.checks import check_int_entries
 from core.dtypes import check_codec_dtype, from_bits, to_bits
-from core.jagged import is_jagged as _is_jagged
-from core.jagged import JaggedParts, from_values_offsets, jagged_parts
+from core.jagged import JaggedParts, from_values_offsets, is_jagged, jagged_parts
 
 Layout = Literal["padded", "jagged"]
 RowLengths = tuple[int, ...]
@@ -52,11 +51,6 @@ Fields = dict[str, torch.Tensor]
 
 
 # ---------------------------------------------------------------- inspection
-
-
-def is_jagged(t: Any) -> bool:
-    """True when ``t`` is a ``torch.jagged`` nested tensor (any other value: False)."""
-    return _is_jagged(t)
 
 
 def jagged_lengths(jagged: torch.Tensor) -> RowLengths:
@@ -76,8 +70,7 @@ def jagged_lengths(jagged: torch.Tensor) -> RowLengths:
         >>> jagged_lengths(to_jagged(torch.zeros(2, 4), [3, 0]))
         (3, 0)
     """
-    _check_jagged(jagged, "'jagged'")
-    return tuple(int(x) for x in _row_lengths(jagged).tolist())
+    return tuple(int(x) for x in _row_lengths(_checked_parts(jagged, "'jagged'")).tolist())
 
 
 # ---------------------------------------------------------------- tensor codec
@@ -374,10 +367,11 @@ def _to_padded(
     arg: str,
     pad_arg: str,
 ) -> torch.Tensor:
-    values, offsets, explicit, _ragged = _checked_parts(jagged, arg)
+    parts = _checked_parts(jagged, arg)
+    values, offsets, explicit = parts.values, parts.offsets, parts.lengths
     check_codec_dtype(values.dtype, arg)
     fill = _pad_fill(pad_value, values.dtype, pad_arg)
-    lens = explicit.to(torch.int64) if explicit is not None else offsets.diff()
+    lens = _row_lengths(parts)
     n = lens.shape[0]
     longest = int(lens.max()) if n else 0
     if pad_to_length is None:
@@ -408,10 +402,6 @@ def _to_padded(
     return out
 
 
-def _check_jagged(t: Any, arg: str) -> None:
-    _checked_parts(t, arg)
-
-
 def _checked_parts(t: Any, arg: str) -> JaggedParts:
     """The buffers of ``t``, a ``torch.jagged`` nested tensor ragged along dim 1 (the token dim)."""
     parts = jagged_parts(t)
@@ -432,9 +422,8 @@ def _checked_parts(t: Any, arg: str) -> JaggedParts:
     return parts
 
 
-def _row_lengths(jagged: torch.Tensor) -> torch.Tensor:
-    _values, offsets, explicit, _ragged = _checked_parts(jagged, "'jagged'")
-    return explicit.to(torch.int64) if explicit is not None else offsets.diff()
+def _row_lengths(parts: JaggedParts) -> torch.Tensor:
+    return parts.lengths.to(torch.int64) if parts.lengths is not None else parts.offsets.diff()
 
 
 def _lengths_tuple(lengths: Any) -> RowLengths:
@@ -518,7 +507,7 @@ def _check_fields(fields: Any) -> None:
             raise TypeError(f"'fields' keys must be str: got {type(name).__name__}")
         if not isinstance(field, torch.Tensor):
             raise TypeError(f"'fields[{name!r}]' must be a torch.Tensor: got {type(field).__name__}")
-        if not _is_jagged(field) and field.is_nested:
+        if not is_jagged(field) and field.is_nested:
             raise TypeError(
                 f"'fields[{name!r}]' must be dense or torch.jagged: got a nested tensor with layout "
                 f"{field.layout}; rebuild it with torch.nested.nested_tensor(rows, layout=torch.jagged)"
