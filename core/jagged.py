@@ -7,9 +7,11 @@ their checks read a few attributes of every column of every batch, so they read 
 once, off the layout's own attributes, and build the columns they return here too.
 
 Invariant: for every value ``t``, :func:`jagged_parts` returns None exactly when :func:`is_jagged` is False, and
-otherwise ``JaggedParts(t.values(), t.offsets(), t.lengths(), ragged_dim)`` (the very tensors, no copy);
+otherwise ``JaggedParts(t.values(), t.offsets(), t.lengths(), ragged_dim)`` (the same tensors, no copy);
 :func:`from_values_offsets` builds the tensor that ``torch.nested.nested_tensor_from_jagged`` builds from the same
-arguments (same rows, dtype and layout), sharing ``values`` and ``offsets``.
+arguments (same rows, dtype and layout), sharing ``values`` and ``offsets``. Autograd sees what it sees through
+torch's own accessors: a jagged tensor that requires grad is read through them (its ``values()`` is in the graph,
+its layout's buffer is not), and one built from values that require grad is torch's own view of them.
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ def jagged_parts(t: Any) -> JaggedParts | None:
         >>> parts.values.tolist(), parts.offsets.tolist(), parts.lengths, parts.ragged_dim
         ([0, 1, 2], [0, 1, 3], None, 1)
     """
-    if isinstance(t, _JaggedTensor):
+    if isinstance(t, _JaggedTensor) and not _requires_grad(t):
         return JaggedParts(t._values, t._offsets, t._lengths, t._ragged_idx)
-    if isinstance(t, torch.Tensor) and t.is_nested and t.layout == torch.jagged:  # a subclass this build names otherwise
+    if isinstance(t, torch.Tensor) and t.is_nested and t.layout == torch.jagged:  # in a graph, or named otherwise
         return JaggedParts(t.values(), t.offsets(), t.lengths(), t._ragged_idx)
     return None
 
@@ -71,7 +73,7 @@ def from_values_offsets(values: torch.Tensor, offsets: torch.Tensor, lengths: to
     ``values[offsets[i]:offsets[i] + lengths[i]]``), ragged along dim 1, sharing ``values`` and ``offsets``.
 
     Raises:
-        TypeError: ``values`` or ``offsets`` is not a dense tensor, or ``offsets`` is not int64.
+        TypeError: ``values`` or ``offsets`` is not a dense tensor, or ``offsets`` does not hold integers.
         ValueError: ``values`` is 0-d, or ``offsets`` is not 1-D.
 
     Example:
@@ -81,10 +83,18 @@ def from_values_offsets(values: torch.Tensor, offsets: torch.Tensor, lengths: to
     for arg, tensor in (("values", values), ("offsets", offsets)):
         if not isinstance(tensor, torch.Tensor) or tensor.is_nested:
             raise TypeError(f"'{arg}' must be a dense torch.Tensor: got {type(tensor).__name__}")
-    if offsets.dtype != torch.int64:
-        raise TypeError(f"'offsets' must be int64: got {offsets.dtype}")
+    if offsets.dtype == torch.bool or offsets.dtype.is_floating_point or offsets.dtype.is_complex:
+        raise TypeError(f"'offsets' must hold integers (int64, or int32 as flash-attention's cu_seqlens): got {offsets.dtype}")
     if values.dim() < 1:
         raise ValueError(f"'values' must be at least 1-D (total, *rest): got shape {tuple(values.shape)}")
     if offsets.dim() != 1:
         raise ValueError(f"'offsets' must be 1-D (N + 1,): got shape {tuple(offsets.shape)}")
+    if values.requires_grad:  # torch's own view keeps the graph back to ``values``
+        return torch.nested.nested_tensor_from_jagged(values, offsets, lengths=lengths)
     return _JaggedTensor(values, offsets, lengths=lengths)
+
+
+def _requires_grad(t: torch.Tensor) -> bool:
+    """``t.requires_grad`` read without torch-function dispatch (a nested tensor's own flag, not its buffer's)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.requires_grad

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from core.codec import to_jagged, to_padded
 from core.jagged import from_values_offsets, is_jagged, jagged_parts
 from tests.property.strategies import bit_tensors, jagged_batches, same_bits
 
@@ -65,16 +66,39 @@ def test_from_values_offsets_rejects_bad_buffers(wrong: str) -> None:
     expected = {
         "values": (TypeError, r"'values' must be a dense torch.Tensor: got list"),
         "offsets": (TypeError, r"'offsets' must be a dense torch.Tensor: got NoneType"),
-        "dtype": (TypeError, r"'offsets' must be int64: got torch.int32"),
+        "dtype": (TypeError, r"'offsets' must hold integers \(int64, or int32 as .*\): got torch.float32"),
         "values_dim": (ValueError, r"'values' must be at least 1-D \(total, \*rest\): got shape \(\)"),
         "offsets_dim": (ValueError, r"'offsets' must be 1-D \(N \+ 1,\): got shape \(1, 3\)"),
     }[wrong]
     args = {
         "values": ([0, 1, 2], offsets),
         "offsets": (values, None),
-        "dtype": (values, offsets.to(torch.int32)),
+        "dtype": (values, offsets.to(torch.float32)),
         "values_dim": (torch.tensor(1), offsets),
         "offsets_dim": (values, offsets[None]),
     }[wrong]
     with pytest.raises(expected[0], match=expected[1]):
         from_values_offsets(*args)  # type: ignore[arg-type]
+
+
+def test_from_values_offsets_takes_int32_offsets() -> None:
+    """Offsets of int32 (as flash-attention's ``cu_seqlens``) build the same rows as int64 ones."""
+    values = torch.arange(6).to(torch.uint16)
+    built = from_values_offsets(values, torch.tensor([0, 2, 6], dtype=torch.int32))
+    assert [row.view(torch.int16).tolist() for row in built.unbind()] == [[0, 1], [2, 3, 4, 5]]
+
+
+def test_jagged_buffers_keep_the_autograd_graph() -> None:
+    """A jagged tensor in a graph is read through torch's accessors, and one built from values that require grad is
+    torch's view of them: padding either keeps the graph, and the gradient reaches the values."""
+    values = torch.randn(6, requires_grad=True)
+    offsets = torch.tensor([0, 2, 6])
+    built = from_values_offsets(values, offsets)
+    doubled = torch.nested.nested_tensor_from_jagged(values, offsets) * 2  # an op's output: its buffer is not in the graph
+    for jagged, scale in ((built, 1.0), (doubled, 2.0)):
+        parts = jagged_parts(jagged)
+        assert parts is not None and parts.values.requires_grad
+        values.grad = None
+        to_padded(jagged).sum().backward()
+        assert torch.equal(values.grad, torch.full((6,), scale))
+    assert to_jagged(torch.randn(2, 3, requires_grad=True), [2, 1]).requires_grad
