@@ -297,12 +297,12 @@ def _tensor_spec(field: str, value: torch.Tensor, n: int) -> ColumnSpec:
             raise ValueError(f"{field} must be a jagged tensor ragged along dim 1: got ragged dims {[parts.ragged_dim]}")
         _check_rows(field, parts.offsets.shape[0] - 1, n)
         return ColumnSpec("jagged", _dtype_name(check_codec_dtype(parts.values.dtype, field)), tuple(parts.values.shape[1:]))
-    shape, layout = value.shape, value.layout
-    if value.is_nested:
+    if value.is_nested:  # before its shape, which a strided nested tensor does not have
         raise TypeError(
             f"{field} must be dense or a torch.jagged nested tensor: got a nested tensor with layout "
-            f"{layout}; rebuild it with torch.nested.nested_tensor(rows, layout=torch.jagged)"
+            f"{value.layout}; rebuild it with torch.nested.nested_tensor(rows, layout=torch.jagged)"
         )
+    shape, layout = value.shape, value.layout
     if layout != torch.strided:
         raise TypeError(f"{field} must be a strided (dense) tensor: got layout {layout}; call .to_dense()")
     if len(shape) == 0:

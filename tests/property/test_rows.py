@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import warnings
 from typing import Any
 
 import numpy as np
@@ -243,6 +244,15 @@ def test_split_column_rejects_jagged_not_ragged_along_dim_1() -> None:
     column = torch.nested.nested_tensor_from_jagged(torch.zeros(2, 5), torch.tensor([0, 2, 5]), jagged_dim=2)
     with pytest.raises(ValueError, match=r"field 'j' must be a jagged tensor ragged along dim 1: got ragged dims \[2\]"):
         split_column("j", column, 2)
+
+
+def test_split_column_rejects_a_strided_nested_tensor() -> None:
+    """A nested tensor of the strided layout raises TypeError naming the field and the layout to rebuild it with."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage", category=UserWarning)
+        column = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    with pytest.raises(TypeError, match=r"field 's' must be dense or a torch.jagged nested tensor: got a nested tensor with layout torch.strided; rebuild it with"):
+        split_column("s", column, 2)
 
 
 def test_stack_column_rejects_rows_that_do_not_fit() -> None:
