@@ -105,7 +105,6 @@ from transfer_queue.storage.bootstrap import StorageBootstrapProvider
 from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 
 from adapters.store_port import RESERVED_TAG_PREFIX
-from core.jagged import JaggedParts, from_values_offsets, jagged_parts
 from adapters.tq_row_index import (  # the index (a light module: its actor starts without torch); re-exported
     BACKEND,
     INDEX_NAME,
@@ -117,6 +116,7 @@ from adapters.tq_row_index import (  # the index (a light module: its actor star
     find_index,
     start_index,
 )
+from core.jagged import JaggedParts, from_values_offsets, jagged_parts
 
 __all__ = [
     "BACKEND",
