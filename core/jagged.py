@@ -29,7 +29,8 @@ class JaggedParts(NamedTuple):
 
     Attributes:
         values: the rows' elements back to back, ``(total, *rest)`` (with holes when ``lengths`` is set).
-        offsets: int64 ``(N + 1,)``, row ``i`` starting at ``offsets[i]``.
+        offsets: integer ``(N + 1,)`` (int64, or int32 where the caller built it so), row ``i`` starting at
+            ``offsets[i]``.
         lengths: int ``(N,)`` row lengths when rows have holes between them, else None (row ``i`` ends where
             row ``i + 1`` starts).
         ragged_dim: the ragged dimension of the nested tensor (1 for a batch of token rows).
