@@ -52,6 +52,74 @@ rejects them, so a caller cannot forge a digest; only :meth:`ReservedTagPutClien
 writes them."""
 
 
+class TagColumns(Sequence[Mapping[str, Any]]):
+    """Per-key tags held by tag name: ``values[name][i]`` is key ``i``'s value of tag ``name``.
+
+    What :meth:`TaggedGetClient.get_with_tags` returns in place of a tuple of
+    per-key dicts where the store keeps the tags by name (the ``RayObjectStore``
+    index does): item ``i`` is key ``i``'s mapping, built when read, and the
+    sequence equals the tuple of those mappings. :meth:`column` gives one tag
+    of every key without building them; ``shell.metering`` reads the integrity
+    digests so.
+
+    Invariant: every name has one value per key, and ``absent[name]`` holds
+    the positions of the keys that lack tag ``name`` (their entries in
+    ``values[name]`` mean nothing), so a tag whose value is None is told from a
+    missing one.
+
+    Example:
+        >>> tags = TagColumns({"__digest__.x": [7, None]}, 2, absent={"__digest__.x": [1]})
+        >>> tags == ({"__digest__.x": 7}, {}), tags.column("__digest__.x")
+        (True, [7, None])
+    """
+
+    __slots__ = ("_values", "_absent", "_n")
+
+    def __init__(self, values: Mapping[str, Sequence[Any]], n: int, *, absent: Mapping[str, Collection[int]] | None = None) -> None:
+        for name, column in values.items():
+            if len(column) != n:
+                raise ValueError(f"tag {name!r} must have {n} values (one per key): got {len(column)}")
+        unknown = [name for name in absent or {} if name not in values]
+        if unknown:
+            raise ValueError(f"'absent' names tags without values: {unknown}")
+        self._values = {name: list(column) for name, column in values.items()}
+        self._absent = {name: frozenset(where) for name, where in (absent or {}).items() if where}
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(self._n)))
+        if not -self._n <= i < self._n:
+            raise IndexError(f"key position {i} out of range for {self._n} keys")
+        i %= self._n
+        return {
+            name: column[i] for name, column in self._values.items() if i not in self._absent.get(name, ())
+        }
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(other) == self._n and all(mine == theirs for mine, theirs in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"TagColumns({list(self)!r})"
+
+    def column(self, name: str, default: Any = None) -> list[Any]:
+        """Tag ``name`` of every key, in key order; ``default`` for a key that lacks it."""
+        column = self._values.get(name)
+        if column is None:
+            return [default] * self._n
+        absent = self._absent.get(name)
+        if not absent:
+            return list(column)
+        return [default if i in absent else value for i, value in enumerate(column)]
+
+
 @runtime_checkable
 class DataPlaneClient(Protocol):
     """Synchronous store client. See the module docstring for the semantics."""
@@ -107,9 +175,10 @@ class TaggedGetClient(Protocol):
 
     def get_with_tags(
         self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
-    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
+    ) -> tuple[TensorDict, Sequence[Mapping[str, Any]]]:
         """``get(keys, partition_id, select_fields)`` and, per key in request order, the tags of
-        ``tag_names`` that key holds (a name the key lacks is absent from its mapping).
+        ``tag_names`` that key holds (a name the key lacks is absent from its mapping): a tuple of
+        dicts, or a :class:`TagColumns` (equal to that tuple) where the store keeps the tags by name.
 
         Raises:
             Whatever ``get`` raises; ``TypeError`` if ``tag_names`` is a single
@@ -220,7 +289,7 @@ class StoreAdapter:
 
     def get_with_tags(
         self, keys: Keys, partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
-    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
+    ) -> tuple[TensorDict, Sequence[Mapping[str, Any]]]:
         """:meth:`get` plus, per key, the tags of ``tag_names`` it holds, from the same lookup.
 
         Raises:
@@ -289,7 +358,7 @@ class StoreAdapter:
 
     def _get(
         self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]
-    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
+    ) -> tuple[TensorDict, Sequence[Mapping[str, Any]]]:
         """Read checked ``names`` of checked ``keys`` and, per key, its tags of ``tag_names``."""
         raise NotImplementedError(f"{type(self).__name__} must implement _get")
 

@@ -104,7 +104,7 @@ from tensordict import TensorDict
 from transfer_queue.storage.bootstrap import StorageBootstrapProvider
 from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 
-from adapters.store_port import RESERVED_TAG_PREFIX
+from adapters.store_port import RESERVED_TAG_PREFIX, TagColumns
 from adapters.tq_row_index import (  # the index (a light module: its actor starts without torch); re-exported
     BACKEND,
     INDEX_NAME,
@@ -511,7 +511,7 @@ class RayObjectStorageManager(StorageManager):
 
     async def get_by_key(
         self, partition_id: str, keys: Sequence[str], fields: Sequence[str], tag_names: Sequence[str] = ()
-    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]] | None:
+    ) -> tuple[TensorDict, Sequence[Mapping[str, Any]]] | None:
         """:meth:`read_by_key` as TQ's client loop runs a storage call (its waits block the loop)."""
         return self.read_by_key(partition_id, keys, fields, tag_names)
 
@@ -523,9 +523,9 @@ class RayObjectStorageManager(StorageManager):
         tag_names: Sequence[str] = (),
         *,
         wait: Callable[[Any], Any] = ray.get,
-    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]] | None:
+    ) -> tuple[TensorDict, Sequence[Mapping[str, Any]]] | None:
         """The rows of wire ``fields`` that ``keys`` of ``partition_id`` were last put at, and per key the reserved
-        tags of ``tag_names`` it holds, found by the index alone (one call, no controller lookup:
+        tags of ``tag_names`` it holds (a :class:`adapters.store_port.TagColumns`), found by the index alone (one call, no controller lookup:
         :meth:`RowIndex.locate_keys` with ``sole``); None when the index cannot answer for every key, field and
         tag (a key it does not know, a missing field, a rewrite in another wire field, tags a put it did not see
         may have changed), for the caller to read through TQ's lookup instead, which raises what is wrong.
@@ -547,7 +547,9 @@ class RayObjectStorageManager(StorageManager):
         if "locations" not in found:
             return None
         data = self._read(found, found["indexes"], list(fields), (partition_id, list(keys)), wait)
-        return data, tuple(found["tags"]) if asked else tuple({} for _ in keys)
+        if not asked:
+            return data, tuple({} for _ in keys)
+        return data, TagColumns(found["tags"]["values"], len(keys), absent=found["tags"]["absent"])
 
     async def get_located(self, metadata: Any, located: Any) -> TensorDict:
         """:meth:`get_data` of ``metadata`` using ``located``, the ref :meth:`locate_keys` returned for the same keys

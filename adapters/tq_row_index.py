@@ -31,6 +31,9 @@ CLEARED_EARLY_LIMIT = 4096
 """How many of the latest ``(key, global index)`` pairs :meth:`RowIndex.clear_owned` released it remembers, so that a
 put racing the clear is not answered by key (16 GRPO steps of 256 rows; about 0.75 MB)."""
 
+_NO_TAGS: Mapping[str, Any] = {}
+"""The reserved tags of a row no put merged any into (never written)."""
+
 Owners = tuple[str, Sequence[str]]
 """``(partition id, [key of each row])``: whose rows a put's columns hold (the adapter sends them as
 :data:`adapters.tq_object_store.OWNERS`)."""
@@ -136,7 +139,9 @@ class RowIndex:
 
         With ``tags`` (reserved tag names: only a put's reserved tags, the integrity digests, are kept here), also
         ``"tags"``: per key, those of ``tags`` that the puts naming it merged into its tags since its row's last
-        clear, as TQ's controller holds them; or ``{"untagged": key}`` for the first key whose tags the controller
+        clear, as TQ's controller holds them, by name (``{"values": {name: [value of each key]}, "absent": {name:
+        [positions of the keys that lack it]}}``, the fields of :class:`adapters.store_port.TagColumns`: lists
+        of ints, which Ray's reply encoding carries natively, where a dict per key is pickled one by one); or ``{"untagged": key}`` for the first key whose tags the controller
         may hold otherwise (a put that named no owners or that failed, see :meth:`forget_keys`, reached its row
         since the row's last clear)."""
         indexes = []
@@ -152,8 +157,14 @@ class RowIndex:
         found = self.locate(indexes, fields, (partition, keys))
         found["indexes"] = indexes
         if tags is not None and "locations" in found:
-            held = [self._tags.get(index, {}) for index in indexes]
-            found["tags"] = [{name: tag[name] for name in tags if name in tag} for tag in held]
+            held = [self._tags.get(index, _NO_TAGS) for index in indexes]
+            values: dict[str, list[Any]] = {}
+            absent: dict[str, list[int]] = {}
+            for name in tags:
+                values[name] = column = [tag.get(name) for tag in held]
+                if None in column:  # a lacking key, or a value of None: tell them apart
+                    absent[name] = [i for i, tag in enumerate(held) if name not in tag]
+            found["tags"] = {"values": values, "absent": absent}
         return found
 
     def locate(self, indexes: Sequence[int], fields: Sequence[str], owners: Owners | None = None) -> dict[str, Any]:

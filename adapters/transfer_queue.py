@@ -564,7 +564,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
 
     def _get(
         self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]
-    ) -> tuple[TensorDict, tuple[dict[str, Any], ...]]:
+    ) -> tuple[TensorDict, Sequence[Mapping[str, Any]]]:
         """Columns and tags from one meta lookup; the columns decoded to the kinds the puts recorded.
 
         On :data:`adapters.tq_object_store.BACKEND` the index locates the rows by key while the controller's lookup

@@ -63,6 +63,7 @@ from adapters.store_port import (
     Keys,
     ReservedTagPutClient,
     SeqLens,
+    TagColumns,
     Tags,
     TaggedGetClient,
     validate_get,
@@ -444,6 +445,11 @@ def _stored_digests(
         KeyError: some keys have no digest of a field (it was written without integrity).
     """
     names = [DIGEST_PREFIX + name for name in select]
+    if isinstance(tags, TagColumns):  # the store keeps them by name: one list per field, no mapping per key
+        try:
+            return np.array([tags.column(name) for name in names], dtype=np.int64).reshape(len(names), len(tags)).T
+        except TypeError:  # a missing digest (None): say which field and keys below
+            pass
     rows = [[tag.get(name) for name in names] for tag in tags]
     try:  # the common case: every digest present, one conversion
         return np.array(rows, dtype=np.int64).reshape(len(tags), len(names))

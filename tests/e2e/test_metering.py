@@ -14,7 +14,7 @@ from tensordict import TensorDict
 
 from adapters.memory import MemoryStore
 from adapters.rows import columns_equal, read_columns_of
-from adapters.store_port import DataPlaneClient
+from adapters.store_port import DataPlaneClient, TagColumns
 from adapters.transfer_queue import TransferQueueStore
 from core.codec import to_jagged
 from core.meta import KVBatchMeta
@@ -85,6 +85,19 @@ class FaultyTaggedStore(FaultyStore):
         return out, tags
 
 
+class FaultyByNameStore(FaultyTaggedStore):
+    """A FaultyTaggedStore whose ``get_with_tags`` answers the tags by name (a ``TagColumns``), as the
+    ``RayObjectStore`` index does."""
+
+    def get_with_tags(
+        self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
+    ) -> tuple[TensorDict, TagColumns]:
+        out, tags = super().get_with_tags(keys, partition_id, select_fields, tag_names)
+        values = {name: [tag.get(name) for tag in tags] for name in tag_names}
+        absent = {name: [i for i, tag in enumerate(tags) if name not in tag] for name in tag_names}
+        return out, TagColumns(values, len(keys), absent=absent)
+
+
 def _rows(j: torch.Tensor) -> list[torch.Tensor]:
     return [r.clone() for r in j.unbind()]
 
@@ -128,7 +141,9 @@ def _constant(j: torch.Tensor) -> torch.Tensor:
     [(_change_element, {"k3"}), (_truncate, {"k3"}), (_swap, {"k0", "k3"}), (_permute_within, {"k0"}), (_constant, {"k3"})],
     ids=["changed-element", "truncated-row", "swapped-rows", "permuted-within-row", "constant-row"],
 )
-@pytest.mark.parametrize("faulty", [FaultyStore, FaultyTaggedStore], ids=["describe", "get_with_tags"])
+@pytest.mark.parametrize(
+    "faulty", [FaultyStore, FaultyTaggedStore, FaultyByNameStore], ids=["describe", "get_with_tags", "get_with_tags-by-name"]
+)
 def test_metered_client_get_raises_integrity_error_on_corruption(
     corrupt: Callable[[torch.Tensor], torch.Tensor], bad_keys: set[str], faulty: type[FaultyStore]
 ) -> None:
@@ -213,12 +228,18 @@ def test_metered_client_rewrite_replaces_the_fields_digest() -> None:
     assert set(info.value.keys) == set(rewritten)
 
 
-def test_metered_client_get_without_digests_raises_key_error() -> None:
-    """Reading with integrity a field written without it raises KeyError naming the field, not a false alarm."""
+@pytest.mark.parametrize("by_name", [False, True], ids=["per-key-tags", "tags-by-name"])
+def test_metered_client_get_without_digests_raises_key_error(by_name: bool) -> None:
+    """Reading with integrity a field written without it raises KeyError naming the field, not a false alarm,
+    whether the store answers the tags per key or by name (``TagColumns``)."""
     store = MemoryStore()
     MeteredClient(store).put(KEYS, "p", _batch())
-    with pytest.raises(KeyError, match="field 'reward' has no integrity digest .* written without verify_integrity=True"):
-        MeteredClient(store, verify_integrity=True).get(KEYS, "p", ["reward"])
+    rewrite = TensorDict({"reward": torch.tensor([0.5, 1.0])}, batch_size=[2])
+    MeteredClient(store, verify_integrity=True).put(KEYS[:2], "p", rewrite)  # two keys get digests of 'reward'
+    reader = FaultyByNameStore(store, "reward", lambda j: j) if by_name else store
+    with pytest.raises(KeyError, match=r"field 'reward' has no integrity digest .* for 2 keys \['k2', 'k3'\]: it was written without verify_integrity=True"):
+        MeteredClient(reader, verify_integrity=True).get(KEYS, "p", ["reward"])
+    assert MeteredClient(reader, verify_integrity=True).get(KEYS[:2], "p", ["reward"])["reward"].tolist() == [0.5, 1.0]
 
 
 def test_metered_client_rejects_reserved_tag_names_and_bad_tags() -> None:

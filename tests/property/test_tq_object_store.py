@@ -26,6 +26,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 
+from adapters.store_port import TagColumns
 from adapters.tq_object_store import RowIndex, assemble_column, field_schema, frame_column, gather_rows, unframe
 from adapters.tq_row_index import CLEARED_EARLY_LIMIT
 
@@ -551,5 +552,8 @@ def test_the_index_answers_each_keys_reserved_tags_as_its_puts_merged_them_since
     if "locations" not in plain:
         assert found == plain
         return
-    assert found.pop("tags") == [{name: tags[at[k]][name] for name in names if name in tags.get(at[k], {})} for k in keys]
+    reply = found.pop("tags")
+    assert set(reply) == {"values", "absent"} and list(reply["values"]) == names
+    expected = [{name: tags[at[k]][name] for name in names if name in tags.get(at[k], {})} for k in keys]
+    assert TagColumns(reply["values"], len(keys), absent=reply["absent"]) == expected
     assert found == plain
