@@ -109,6 +109,17 @@ class TagColumns(Sequence[Mapping[str, Any]]):
     def __repr__(self) -> str:
         return f"TagColumns({list(self)!r})"
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tag names held (a key may lack some: :meth:`lacking`)."""
+        return tuple(self._values)
+
+    def lacking(self, name: str) -> frozenset[int]:
+        """The positions of the keys that lack tag ``name`` (every key, for a name not held)."""
+        if name not in self._values:
+            return frozenset(range(self._n))
+        return self._absent.get(name, frozenset())
+
     def column(self, name: str, default: Any = None) -> list[Any]:
         """Tag ``name`` of every key, in key order; ``default`` for a key that lacks it."""
         column = self._values.get(name)
@@ -442,11 +453,18 @@ def _check_reserved(reserved_tags: Tags, n: int) -> None:
     """Check that ``reserved_tags`` has ``n`` mappings, each of whose names is reserved.
 
     The names are checked once per distinct name tuple: the integrity layer
-    gives every key the same names, so a put of thousands of keys checks one.
+    gives every key the same names, so a put of thousands of keys checks one
+    (and a :class:`TagColumns`, each name once).
     """
     if isinstance(reserved_tags, (str, bytes, Mapping)) or len(reserved_tags) != n:
         got = type(reserved_tags).__name__ if isinstance(reserved_tags, (str, bytes, Mapping)) else len(reserved_tags)
         raise ValueError(f"'reserved_tags' must have {n} entries (one per key): got {got}")
+    if isinstance(reserved_tags, TagColumns):  # held by name: each name once, at the first key that has it
+        for name in reserved_tags.names:
+            if not _is_reserved(name):
+                at = min(set(range(n)) - reserved_tags.lacking(name), default=0)
+                raise ValueError(f"'reserved_tags' names must start with {RESERVED_TAG_PREFIX!r}: got {[name]} at index {at}")
+        return
     checked: set[tuple[Any, ...]] = set()
     for i, extra in enumerate(reserved_tags):
         if type(extra) is not dict and not isinstance(extra, Mapping):

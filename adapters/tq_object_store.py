@@ -110,6 +110,7 @@ from adapters.tq_row_index import (  # the index (a light module: its actor star
     INDEX_NAME,
     INDEX_NAMESPACE,
     INDEX_RESOURCE,
+    IndexTags,
     ObjectStoreIndex,
     Owners,
     RowIndex,
@@ -482,7 +483,7 @@ class RayObjectStorageManager(StorageManager):
             (field, uuid.uuid4().hex, [(staged.shared, field) if field in staged.large else (frame, None)], indexes)
             for field, frame in staged.frames.items()
         ]
-        return self._index.register.remote(_WRITER, puts, _owners(metadata), reserved_tags)
+        return self._index.register.remote(_WRITER, puts, _owners(metadata), index_tags(reserved_tags))
 
     async def get_data(self, metadata: Any) -> TensorDict:
         indexes = list(metadata.global_indexes)
@@ -613,6 +614,19 @@ class RayObjectStorageManager(StorageManager):
 
     async def clear_data(self, metadata: Any) -> None:
         await _wait(self._index.clear.remote(list(metadata.global_indexes)))
+
+
+def index_tags(reserved_tags: Sequence[Mapping[str, Any]] | None) -> IndexTags | None:
+    """A put's reserved tags as the index's :meth:`RowIndex.register` takes them: by name (the lists of a
+    :class:`adapters.store_port.TagColumns`, which Ray's encoding carries natively), else a dict per key."""
+    if reserved_tags is None:
+        return None
+    if isinstance(reserved_tags, TagColumns):
+        return {
+            "values": {name: reserved_tags.column(name) for name in reserved_tags.names},
+            "absent": {name: sorted(reserved_tags.lacking(name)) for name in reserved_tags.names},
+        }
+    return [dict(tags) for tags in reserved_tags]
 
 
 def _owners(metadata: Any) -> Owners | None:

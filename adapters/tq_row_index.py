@@ -31,6 +31,10 @@ CLEARED_EARLY_LIMIT = 4096
 """How many of the latest ``(key, global index)`` pairs :meth:`RowIndex.clear_owned` released it remembers, so that a
 put racing the clear is not answered by key (16 GRPO steps of 256 rows; about 0.75 MB)."""
 
+IndexTags = Sequence[Mapping[str, Any]] | dict[str, dict[str, Any]]
+"""A put's reserved tags as :meth:`RowIndex.register` takes them: a mapping per row, or by name, ``{"values":
+{name: [value of each row]}, "absent": {name: [rows that lack it]}}`` (see :func:`adapters.tq_object_store.index_tags`)."""
+
 _NO_TAGS: Mapping[str, Any] = {}
 """The reserved tags of a row no put merged any into (never written)."""
 
@@ -84,7 +88,7 @@ class RowIndex:
         writer: str,
         puts: Sequence[tuple[str, str, list[Any], Sequence[int]]],
         owners: Owners | None = None,
-        tags: Sequence[Mapping[str, Any]] | None = None,
+        tags: IndexTags | None = None,
     ) -> None:
         """Record columns ``(field, column id, [stored], global indexes)`` put by ``writer``, where ``stored`` is
         ``(object ref, field)`` for a column inside a put's shared object and ``(frame, None)`` for one kept here;
@@ -92,9 +96,11 @@ class RowIndex:
         ``owners[0]`` when ``owners`` is given. Releases the rows they overwrite.
 
         ``tags[i]`` (with ``owners``) are the reserved tags the put merges into row ``i``'s key's tags (see
-        :meth:`locate_keys`); a put without owners leaves the tags of its rows unknown here until they are
+        :meth:`locate_keys`), or ``tags`` holds them by name (:data:`IndexTags`); a put without owners leaves the tags of its rows unknown here until they are
         cleared. A row whose key an owned clear released at its index before this register arrived (see
         :meth:`clear_owned`) is kept as a row of no known key, as a put without owners leaves it."""
+        by_name = tags if isinstance(tags, dict) else None
+        tagged: list[tuple[int, int]] = []  # (row, global index) of the rows whose key takes the tags by name
         for i, (field, column, (stored,), indexes) in enumerate(puts):
             self._columns[column] = [stored, len(indexes), writer, owners]
             base = _user_field(field) if owners is not None else None
@@ -108,6 +114,8 @@ class RowIndex:
                     self._own(index, key)
                     if key is None:
                         self._untagged.add(index)
+                    elif by_name is not None:
+                        tagged.append((row, index))
                     elif tags is not None and tags[row]:
                         self._tags.setdefault(index, {}).update(tags[row])
                 fields = self._rows.setdefault(index, {})
@@ -117,6 +125,13 @@ class RowIndex:
                 fields[field] = (column, row)
                 if old is not None:
                     self._release(old[0], 1)
+        if by_name is not None:
+            absent = by_name.get("absent", {})
+            for name, values in by_name["values"].items():
+                lacking = set(absent.get(name, ()))
+                for row, index in tagged:
+                    if row not in lacking:
+                        self._tags.setdefault(index, {})[name] = values[row]
 
     def locate_keys(
         self,

@@ -49,7 +49,7 @@ from adapters.rows import (
     read_columns_of,
     stack_column,
 )
-from adapters.store_port import missing_field_error, stored_meta
+from adapters.store_port import TagColumns, missing_field_error, stored_meta
 from adapters.tq_mooncake import (
     from_zero_byte_placeholder,
     pad_jagged_rows,
@@ -275,6 +275,7 @@ def tag_updates(
     """
     user = plan.receipt.tags
     lengths = plan.receipt.sequence_lengths
+    by_name = reserved if isinstance(reserved, TagColumns) else None
     merged: dict[SpecTag | None, SpecTag] = {}  # keys mostly share one old tag: merge once per distinct tag
     out = []
     for i, old in enumerate(current):
@@ -283,12 +284,18 @@ def tag_updates(
         if tag is None:
             tag = merged[prev] = merge_spec_tags(prev, plan.tag)
         update = thaw(user[i]) if user is not None else {}
-        if reserved is not None:
+        if reserved is not None and by_name is None:
             update.update(reserved[i])
         update[SPEC_TAG] = tag
         if lengths is not None:
             update[LENGTH_TAG] = lengths[i]
         out.append(update)
+    if by_name is not None:  # a column per name, no mapping per key (reserved names never meet the keys above)
+        for name in by_name.names:
+            lacking = by_name.lacking(name)
+            for i, (update, value) in enumerate(zip(out, by_name.column(name))):
+                if not lacking or i not in lacking:
+                    update[name] = value
     return out
 
 

@@ -477,9 +477,8 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             if require_stored:  # the same lookup that finds the keys tells which are missing: no extra round trip
                 self._check_found(client, keys, partition_id, meta)
             fresh, previous = self._merge_tags(plan, meta, partition_id, reserved_tags)
-            tags = None if reserved_tags is None else [dict(tag) for tag in reserved_tags]
             try:
-                self._write_by_line(client, line, staged, meta, previous, tags)
+                self._write_by_line(client, line, staged, meta, previous, reserved_tags)
             except BaseException:
                 self._drop_new_keys(client, meta, fresh)
                 raise
@@ -492,7 +491,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         staged: tq_object_store.StagedColumns,
         meta: tq.BatchMeta,
         previous: list[dict[str, Any]] | None,
-        reserved_tags: list[dict[str, Any]] | None,
+        reserved_tags: Sequence[Mapping[str, Any]] | None,
     ) -> None:
         """Store a staged put's rows at ``meta``'s global indexes: the keys' tags and the controller's notice that
         the fields are produced go out on ``line``, and the index call to the index, at once; the put is done when

@@ -272,13 +272,13 @@ class MeteredClient:
         if reserved:
             raise ValueError(f"field names starting with {DIGEST_PREFIX!r} are reserved for integrity digests: got {reserved}")
         if self.verify_integrity and columns and n and _rows_of(fields) == n:
-            names = [DIGEST_PREFIX + name for name in columns]
-            digests = digest_matrix([_digestible(name, v) for name, v in columns.items()]).tolist()
+            digests = digest_matrix([_digestible(name, v) for name, v in columns.items()])
+            by_name = dict(zip([DIGEST_PREFIX + name for name in columns], digests.T.tolist()))
             receipt = self.inner.put_with_reserved_tags(  # type: ignore[attr-defined]
                 keys,
                 partition_id,
                 fields,
-                reserved_tags=[dict(zip(names, row)) for row in digests],
+                reserved_tags=TagColumns(by_name, n),  # a list per field, no mapping per key
                 tags=tags,
                 sequence_lengths=sequence_lengths,
                 require_stored=require_stored,

@@ -13,7 +13,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from adapters.rows import columns_equal
-from adapters.store_port import DataPlaneClient, ReservedTagPutClient, TaggedGetClient
+from adapters.store_port import DataPlaneClient, ReservedTagPutClient, TagColumns, TaggedGetClient
 from core.codec import jagged_lengths, to_jagged
 from core.dtypes import CODEC_DTYPES
 from shell.column_io import first_write, read_columns, write_columns
@@ -428,6 +428,25 @@ def test_put_rejected_writes_nothing(
     got = store.get(["a"], partition, ["x"])
     assert list(got.keys()) == ["x"] and got["x"].tolist() == [7]
     assert store.describe(["a"], partition).tags == ({"r": 1},)  # type: ignore[attr-defined]
+
+
+def test_put_with_reserved_tags_by_name_writes_what_a_mapping_per_key_writes(store: DataPlaneClient, partition: str) -> None:
+    """Reserved tags given by name (a TagColumns, as MeteredClient gives its digests) are written as the same
+    tags given a mapping per key would be, a key that lacks one included; a non-reserved name writes nothing."""
+    assert isinstance(store, ReservedTagPutClient)
+    by_name = TagColumns({"__digest__.x": [11, None], "__digest__.y": [5, 6]}, 2, absent={"__digest__.x": [1]})
+    store.put_with_reserved_tags(["a", "b"], partition, _ids(2), reserved_tags=by_name, tags=[{"r": 1}, {}])
+    expected = ({"r": 1, "__digest__.x": 11, "__digest__.y": 5}, {"__digest__.y": 6})
+    assert store.describe(["a", "b"], partition).tags == expected  # type: ignore[attr-defined]
+    _, tags = store.get_with_tags(["b", "a"], partition, ["x"], ["__digest__.x", "__digest__.y"])  # type: ignore[attr-defined]
+    assert tags == ({"__digest__.y": 6}, {"__digest__.x": 11, "__digest__.y": 5})
+    bad = TagColumns({"__digest__.x": [1, 2], "r": [None, 3]}, 2, absent={"r": [0]})
+    with pytest.raises(ValueError, match=r"'reserved_tags' names must start with '__digest__\.': got \['r'\] at index 1"):
+        store.put_with_reserved_tags(["a", "new"], partition, _ids(2, 5), reserved_tags=bad)
+    with pytest.raises(ValueError, match=r"'reserved_tags' must have 2 entries \(one per key\): got 3"):
+        store.put_with_reserved_tags(["a", "new"], partition, _ids(2, 5), reserved_tags=TagColumns({}, 3))
+    assert store.list_keys(partition) == ("a", "b")
+    assert store.describe(["a", "b"], partition).tags == expected  # type: ignore[attr-defined]
 
 
 def test_put_with_reserved_tags_writes_them_and_rejects_others(store: DataPlaneClient, partition: str) -> None:

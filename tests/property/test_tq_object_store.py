@@ -27,7 +27,15 @@ import torch
 from hypothesis import example, given, settings
 
 from adapters.store_port import TagColumns
-from adapters.tq_object_store import RowIndex, assemble_column, field_schema, frame_column, gather_rows, unframe
+from adapters.tq_object_store import (
+    RowIndex,
+    assemble_column,
+    field_schema,
+    frame_column,
+    gather_rows,
+    index_tags,
+    unframe,
+)
 from adapters.tq_row_index import CLEARED_EARLY_LIMIT
 
 DTYPES = (
@@ -240,7 +248,8 @@ def _expected(model: dict, query: tuple) -> dict:
 
 def _apply(index: RowIndex, n: int, op: tuple) -> None:
     """Run op ``n`` of a program on ``index``: a clear, a forget of keys, or a put whose columns are named after
-    ``n`` and the field (with :func:`_digests_of` as its reserved tags when the op says so)."""
+    ``n`` and the field (with :func:`_digests_of` as its reserved tags when the op says so, a mapping per row for
+    even ``n`` and by name, as ``adapters.tq_object_store.index_tags`` sends a ``TagColumns``, for odd ``n``)."""
     if op[0] == "clear":
         index.clear(op[1])
         return
@@ -250,6 +259,9 @@ def _apply(index: RowIndex, n: int, op: tuple) -> None:
     _, partition, fields, rows, named, *tagged = op
     puts = [(field, f"col{n}{field}", [(f"stored{n}{field}", None)], [i for i, _ in rows]) for field in fields]
     tags = [_digests_of(n, row, fields) for row in range(len(rows))] if tagged and tagged[0] else None
+    if tags is not None and n % 2:
+        names = list(_digests_of(n, 0, fields))
+        tags = index_tags(TagColumns({name: [row[name] for row in tags] for name in names}, len(tags)))
     index.register("writer", puts, (partition, [k for _, k in rows]) if named else None, tags)
 
 
