@@ -75,7 +75,9 @@ class TagColumns(Sequence[Mapping[str, Any]]):
 
     __slots__ = ("_values", "_absent", "_n")
 
-    def __init__(self, values: Mapping[str, Sequence[Any]], n: int, *, absent: Mapping[str, Collection[int]] | None = None) -> None:
+    def __init__(
+        self, values: Mapping[str, Sequence[Any]], n: int, *, absent: Mapping[str, Collection[int]] | None = None
+    ) -> None:
         for name, column in values.items():
             if len(column) != n:
                 raise ValueError(f"tag {name!r} must have {n} values (one per key): got {len(column)}")
@@ -463,7 +465,9 @@ def _check_reserved(reserved_tags: Tags, n: int) -> None:
         for name in reserved_tags.names:
             if not _is_reserved(name):
                 at = min(set(range(n)) - reserved_tags.lacking(name), default=0)
-                raise ValueError(f"'reserved_tags' names must start with {RESERVED_TAG_PREFIX!r}: got {[name]} at index {at}")
+                raise ValueError(
+                    f"'reserved_tags' names must start with {RESERVED_TAG_PREFIX!r}: got {[name]} at index {at}"
+                )
         return
     checked: set[tuple[Any, ...]] = set()
     for i, extra in enumerate(reserved_tags):

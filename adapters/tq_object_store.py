@@ -526,10 +526,11 @@ class RayObjectStorageManager(StorageManager):
         wait: Callable[[Any], Any] = ray.get,
     ) -> tuple[TensorDict, Sequence[Mapping[str, Any]]] | None:
         """The rows of wire ``fields`` that ``keys`` of ``partition_id`` were last put at, and per key the reserved
-        tags of ``tag_names`` it holds (a :class:`adapters.store_port.TagColumns`), found by the index alone (one call, no controller lookup:
-        :meth:`RowIndex.locate_keys` with ``sole``); None when the index cannot answer for every key, field and
-        tag (a key it does not know, a missing field, a rewrite in another wire field, tags a put it did not see
-        may have changed), for the caller to read through TQ's lookup instead, which raises what is wrong.
+        tags of ``tag_names`` it holds (a :class:`adapters.store_port.TagColumns`), found by the index alone (one
+        call, no controller lookup: :meth:`RowIndex.locate_keys` with ``sole``); None when the index cannot answer
+        for every key, field and tag (a key it does not know, a missing field, a rewrite in another wire field,
+        tags a put it did not see may have changed), for the caller to read through TQ's lookup instead, which
+        raises what is wrong.
 
         It runs in the calling thread: it touches Ray only (the index actor and the columns' objects), not TQ's
         controller, so it needs no hop to TQ's client loop. ``wait`` waits for an object ref, or a list of them,

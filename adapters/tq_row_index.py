@@ -33,7 +33,8 @@ put racing the clear is not answered by key (16 GRPO steps of 256 rows; about 0.
 
 IndexTags = Sequence[Mapping[str, Any]] | dict[str, dict[str, Any]]
 """A put's reserved tags as :meth:`RowIndex.register` takes them: a mapping per row, or by name, ``{"values":
-{name: [value of each row]}, "absent": {name: [rows that lack it]}}`` (see :func:`adapters.tq_object_store.index_tags`)."""
+{name: [value of each row]}, "absent": {name: [rows that lack it]}}`` (see
+:func:`adapters.tq_object_store.index_tags`)."""
 
 _NO_TAGS: Mapping[str, Any] = {}
 """The reserved tags of a row no put merged any into (never written)."""
@@ -96,9 +97,10 @@ class RowIndex:
         ``owners[0]`` when ``owners`` is given. Releases the rows they overwrite.
 
         ``tags[i]`` (with ``owners``) are the reserved tags the put merges into row ``i``'s key's tags (see
-        :meth:`locate_keys`), or ``tags`` holds them by name (:data:`IndexTags`); a put without owners leaves the tags of its rows unknown here until they are
-        cleared. A row whose key an owned clear released at its index before this register arrived (see
-        :meth:`clear_owned`) is kept as a row of no known key, as a put without owners leaves it."""
+        :meth:`locate_keys`), or ``tags`` holds them by name (:data:`IndexTags`); a put without owners leaves the
+        tags of its rows unknown here until they are cleared. A row whose key an owned clear released at its index
+        before this register arrived (see :meth:`clear_owned`) is kept as a row of no known key, as a put without
+        owners leaves it."""
         by_name = tags if isinstance(tags, dict) else None
         tagged: list[tuple[int, int]] = []  # (row, global index) of the rows whose key takes the tags by name
         for i, (field, column, (stored,), indexes) in enumerate(puts):
@@ -156,9 +158,9 @@ class RowIndex:
         ``"tags"``: per key, those of ``tags`` that the puts naming it merged into its tags since its row's last
         clear, as TQ's controller holds them, by name (``{"values": {name: [value of each key]}, "absent": {name:
         [positions of the keys that lack it]}}``, the fields of :class:`adapters.store_port.TagColumns`: lists
-        of ints, which Ray's reply encoding carries natively, where a dict per key is pickled one by one); or ``{"untagged": key}`` for the first key whose tags the controller
-        may hold otherwise (a put that named no owners or that failed, see :meth:`forget_keys`, reached its row
-        since the row's last clear)."""
+        of ints, which Ray's reply encoding carries natively, where a dict per key is pickled one by one); or
+        ``{"untagged": key}`` for the first key whose tags the controller may hold otherwise (a put that named no
+        owners or that failed, see :meth:`forget_keys`, reached its row since the row's last clear)."""
         indexes = []
         for key in keys:
             index = self._index_of.get((partition, key))
