@@ -35,6 +35,7 @@ so callers see one error vocabulary whatever the store.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -84,6 +85,10 @@ class TagColumns(Sequence[Mapping[str, Any]]):
         unknown = [name for name in absent or {} if name not in values]
         if unknown:
             raise ValueError(f"'absent' names tags without values: {unknown}")
+        for name, where in (absent or {}).items():
+            outside = sorted(i for i in where if not 0 <= i < n)
+            if outside:
+                raise ValueError(f"'absent' positions of tag {name!r} must be in range({n}): got {outside}")
         self._values = {name: list(column) for name, column in values.items()}
         self._absent = {name: frozenset(where) for name, where in (absent or {}).items() if where}
         self._n = n
@@ -94,6 +99,7 @@ class TagColumns(Sequence[Mapping[str, Any]]):
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
             return tuple(self[j] for j in range(*i.indices(self._n)))
+        i = operator.index(i)
         if not -self._n <= i < self._n:
             raise IndexError(f"key position {i} out of range for {self._n} keys")
         i %= self._n
@@ -461,13 +467,17 @@ def _check_reserved(reserved_tags: Tags, n: int) -> None:
     if isinstance(reserved_tags, (str, bytes, Mapping)) or len(reserved_tags) != n:
         got = type(reserved_tags).__name__ if isinstance(reserved_tags, (str, bytes, Mapping)) else len(reserved_tags)
         raise ValueError(f"'reserved_tags' must have {n} entries (one per key): got {got}")
-    if isinstance(reserved_tags, TagColumns):  # held by name: each name once, at the first key that has it
+    if isinstance(reserved_tags, TagColumns):  # held by name: each name once; the error names the first key's
+        first = {}  # plain name -> the first key holding it (a name no key holds is not written)
         for name in reserved_tags.names:
             if not _is_reserved(name):
-                at = min(set(range(n)) - reserved_tags.lacking(name), default=0)
-                raise ValueError(
-                    f"'reserved_tags' names must start with {RESERVED_TAG_PREFIX!r}: got {[name]} at index {at}"
-                )
+                held = set(range(n)) - reserved_tags.lacking(name)
+                if held:
+                    first[name] = min(held)
+        if first:
+            at = min(first.values())
+            plain = [name for name, i in first.items() if i == at]
+            raise ValueError(f"'reserved_tags' names must start with {RESERVED_TAG_PREFIX!r}: got {plain} at index {at}")
         return
     checked: set[tuple[Any, ...]] = set()
     for i, extra in enumerate(reserved_tags):

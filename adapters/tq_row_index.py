@@ -101,8 +101,10 @@ class RowIndex:
         tags of its rows unknown here until they are cleared. A row whose key an owned clear released at its index
         before this register arrived (see :meth:`clear_owned`) is kept as a row of no known key, as a put without
         owners leaves it."""
-        by_name = tags if isinstance(tags, dict) else None
-        tagged: list[tuple[int, int]] = []  # (row, global index) of the rows whose key takes the tags by name
+        by_name = None
+        if isinstance(tags, dict):  # [(name, values, rows that lack it)]
+            absent = tags.get("absent", {})
+            by_name = [(name, values, set(absent.get(name, ()))) for name, values in tags["values"].items()]
         for i, (field, column, (stored,), indexes) in enumerate(puts):
             self._columns[column] = [stored, len(indexes), writer, owners]
             base = _user_field(field) if owners is not None else None
@@ -117,7 +119,9 @@ class RowIndex:
                     if key is None:
                         self._untagged.add(index)
                     elif by_name is not None:
-                        tagged.append((row, index))
+                        for name, values, lacking in by_name:
+                            if row not in lacking:
+                                self._tags.setdefault(index, {})[name] = values[row]
                     elif tags is not None and tags[row]:
                         self._tags.setdefault(index, {}).update(tags[row])
                 fields = self._rows.setdefault(index, {})
@@ -127,13 +131,6 @@ class RowIndex:
                 fields[field] = (column, row)
                 if old is not None:
                     self._release(old[0], 1)
-        if by_name is not None:
-            absent = by_name.get("absent", {})
-            for name, values in by_name["values"].items():
-                lacking = set(absent.get(name, ()))
-                for row, index in tagged:
-                    if row not in lacking:
-                        self._tags.setdefault(index, {})[name] = values[row]
 
     def locate_keys(
         self,
@@ -179,7 +176,7 @@ class RowIndex:
             absent: dict[str, list[int]] = {}
             for name in tags:
                 values[name] = column = [tag.get(name) for tag in held]
-                if None in column:  # a lacking key, or a value of None: tell them apart
+                if any(value is None for value in column):  # a lacking key, or a value of None: tell them apart
                     absent[name] = [i for i, tag in enumerate(held) if name not in tag]
             found["tags"] = {"values": values, "absent": absent}
         return found

@@ -1,15 +1,18 @@
 """Laws of ``adapters.store_port.TagColumns``: built by name from per-key tags, it is the sequence of those
-per-key mappings (a round trip), and a column is each key's value of one tag, or the default where it lacks it."""
+per-key mappings (a round trip), a column is each key's value of one tag, or the default where it lacks it, and a
+put's checks take it exactly as they take the mappings it equals."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from tensordict import TensorDict
 
-from adapters.store_port import TagColumns
+from adapters.store_port import TagColumns, validate_put
 
 NAMES = ["__digest__.a", "__digest__.b", "__digest__.c"]
 _values = st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1))
@@ -67,8 +70,35 @@ def test_tag_columns_reject_columns_that_are_not_one_per_key() -> None:
         TagColumns({"__digest__.a": [1]}, 2)
     with pytest.raises(ValueError, match=r"'absent' names tags without values: \['__digest__\.b'\]"):
         TagColumns({"__digest__.a": [1, 2]}, 2, absent={"__digest__.b": [0]})
+    with pytest.raises(ValueError, match=r"'absent' positions of tag '__digest__\.a' must be in range\(2\): got \[-1, 2\]"):
+        TagColumns({"__digest__.a": [1, 2]}, 2, absent={"__digest__.a": [2, 0, -1]})
     tags = TagColumns({"__digest__.a": [1, 2]}, 2)
     with pytest.raises(IndexError, match="key position 2 out of range for 2 keys"):
         tags[2]
     with pytest.raises(IndexError, match="key position -3 out of range for 2 keys"):
         tags[-3]
+    with pytest.raises(TypeError):
+        tags[1.0]
+
+
+_ANY_NAMES = [*NAMES, "r", "s"]  # reserved and plain
+
+
+@given(st.lists(st.dictionaries(st.sampled_from(_ANY_NAMES), _values), min_size=1, max_size=6))
+def test_a_put_checks_reserved_tags_by_name_as_it_checks_the_mappings_they_equal(rows: list[dict[str, Any]]) -> None:
+    """validate_put accepts a TagColumns when it accepts the per-key mappings it equals, and otherwise raises the
+    same error (the first key holding a plain name, and every plain name that key holds)."""
+    names = sorted({name for row in rows for name in row} | {"r"})  # a plain name no key may hold
+    values, absent = _by_name(rows, names)
+    by_name = TagColumns(values, len(rows), absent=absent)
+    keys = [f"k{i}" for i in range(len(rows))]
+    fields = TensorDict({"x": torch.zeros(len(rows))}, batch_size=[len(rows)])
+
+    def outcome(reserved: Any) -> str:
+        try:
+            validate_put(keys, "p", fields, reserved_tags=reserved)
+        except ValueError as error:
+            return str(error)
+        return "accepted"
+
+    assert outcome(by_name) == outcome([dict(sorted(row.items())) for row in _picked(rows, names)])

@@ -569,3 +569,21 @@ def test_the_index_answers_each_keys_reserved_tags_as_its_puts_merged_them_since
     expected = [{name: tags[at[k]][name] for name in names if name in tags.get(at[k], {})} for k in keys]
     assert TagColumns(reply["values"], len(keys), absent=reply["absent"]) == expected
     assert found == plain
+
+
+@pytest.mark.parametrize("by_name", [False, True], ids=["a-mapping-per-row", "by-name"])
+def test_the_index_answers_reserved_tags_of_any_value_none_and_arrays_included(by_name: bool) -> None:
+    """A reserved tag's value is answered as put, whatever it is: None is told from a missing tag, and an array
+    value (which has no truth value) is carried, not compared."""
+    index, array = RowIndex(), np.array([1, 2])
+    rows = [{"__digest__.x": None, "__digest__.y": array}, {"__digest__.y": 3}]
+    tags: Any = rows
+    if by_name:
+        names = ["__digest__.x", "__digest__.y"]
+        absent = {name: [i for i, row in enumerate(rows) if name not in row] for name in names}
+        tags = index_tags(TagColumns({name: [row.get(name) for row in rows] for name in names}, 2, absent=absent))
+    index.register("writer", [("x@dense.int64.", "c0", [("ref", None)], [5, 6])], ("p", ["a", "b"]), tags)
+    reply = index.locate_keys("p", ["a", "b"], ["x@dense.int64."], tags=["__digest__.x", "__digest__.y"])["tags"]
+    answered = TagColumns(reply["values"], 2, absent=reply["absent"])
+    assert answered[0]["__digest__.x"] is None and answered[0]["__digest__.y"] is array
+    assert answered[1] == {"__digest__.y": 3}
