@@ -93,6 +93,13 @@ class TagColumns(Sequence[Mapping[str, Any]]):
         self._absent = {name: frozenset(where) for name, where in (absent or {}).items() if where}
         self._n = n
 
+    @classmethod
+    def from_mappings(cls, rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> TagColumns:
+        """The tags ``names`` of per-key mappings ``rows``, held by name (a name a key lacks is absent there)."""
+        values = {name: [row.get(name) for row in rows] for name in names}
+        absent = {name: [i for i, row in enumerate(rows) if name not in row] for name in names}
+        return cls(values, len(rows), absent=absent)
+
     def __len__(self) -> int:
         return self._n
 

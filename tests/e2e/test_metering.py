@@ -93,9 +93,7 @@ class FaultyByNameStore(FaultyTaggedStore):
         self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str], tag_names: Sequence[str]
     ) -> tuple[TensorDict, TagColumns]:
         out, tags = super().get_with_tags(keys, partition_id, select_fields, tag_names)
-        values = {name: [tag.get(name) for tag in tags] for name in tag_names}
-        absent = {name: [i for i, tag in enumerate(tags) if name not in tag] for name in tag_names}
-        return out, TagColumns(values, len(keys), absent=absent)
+        return out, TagColumns.from_mappings(tags, tag_names)
 
 
 def _rows(j: torch.Tensor) -> list[torch.Tensor]:

@@ -43,6 +43,15 @@ def test_tag_columns_are_the_per_key_mappings_they_were_built_from(rows: list[di
     assert tags[1:-1] == tuple(expected[1:-1])
 
 
+@given(_rows, st.lists(st.sampled_from(NAMES), unique=True))
+def test_from_mappings_holds_by_name_what_the_mappings_hold(rows: list[dict[str, Any]], names: list[str]) -> None:
+    """``TagColumns.from_mappings(rows, names)`` is the constructor given each name's values and absent keys."""
+    values, absent = _by_name(rows, names)
+    built = TagColumns.from_mappings(rows, names)
+    assert built == TagColumns(values, len(rows), absent=absent) == _picked(rows, names)
+    assert all(built.lacking(name) == frozenset(absent[name]) for name in names)
+
+
 @given(_rows, st.lists(st.sampled_from(NAMES), unique=True), st.sampled_from(NAMES), st.integers())
 def test_a_tag_column_is_each_keys_value_or_the_default(
     rows: list[dict[str, Any]], names: list[str], name: str, default: int

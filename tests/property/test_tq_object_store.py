@@ -260,8 +260,7 @@ def _apply(index: RowIndex, n: int, op: tuple) -> None:
     puts = [(field, f"col{n}{field}", [(f"stored{n}{field}", None)], [i for i, _ in rows]) for field in fields]
     tags = [_digests_of(n, row, fields) for row in range(len(rows))] if tagged and tagged[0] else None
     if tags is not None and n % 2:
-        names = list(_digests_of(n, 0, fields))
-        tags = index_tags(TagColumns({name: [row[name] for row in tags] for name in names}, len(tags)))
+        tags = index_tags(TagColumns.from_mappings(tags, list(_digests_of(n, 0, fields))))
     index.register("writer", puts, (partition, [k for _, k in rows]) if named else None, tags)
 
 
@@ -579,9 +578,7 @@ def test_the_index_answers_reserved_tags_of_any_value_none_and_arrays_included(b
     rows = [{"__digest__.x": None, "__digest__.y": array}, {"__digest__.y": 3}]
     tags: Any = rows
     if by_name:
-        names = ["__digest__.x", "__digest__.y"]
-        absent = {name: [i for i, row in enumerate(rows) if name not in row] for name in names}
-        tags = index_tags(TagColumns({name: [row.get(name) for row in rows] for name in names}, 2, absent=absent))
+        tags = index_tags(TagColumns.from_mappings(rows, ["__digest__.x", "__digest__.y"]))
     index.register("writer", [("x@dense.int64.", "c0", [("ref", None)], [5, 6])], ("p", ["a", "b"]), tags)
     reply = index.locate_keys("p", ["a", "b"], ["x@dense.int64."], tags=["__digest__.x", "__digest__.y"])["tags"]
     answered = TagColumns(reply["values"], 2, absent=reply["absent"])
