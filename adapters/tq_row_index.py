@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
+from itertools import chain, groupby
+from operator import eq, itemgetter
 from typing import Any
 
 import ray
@@ -35,6 +37,11 @@ IndexTags = Sequence[Mapping[str, Any]] | dict[str, dict[str, Any]]
 """A put's reserved tags as :meth:`RowIndex.register` takes them: a mapping per row, or by name, ``{"values":
 {name: [value of each row]}, "absent": {name: [rows that lack it]}}`` (see
 :func:`adapters.tq_object_store.index_tags`)."""
+
+_first, _second = itemgetter(0), itemgetter(1)
+
+_NO_FIELDS: Mapping[str, tuple[str, int]] = {}
+"""The fields of a global index no put wrote (never written)."""
 
 _NO_TAGS: Mapping[str, Any] = {}
 """The reserved tags of a row no put merged any into (never written)."""
@@ -101,36 +108,74 @@ class RowIndex:
         tags of its rows unknown here until they are cleared. A row whose key an owned clear released at its index
         before this register arrived (see :meth:`clear_owned`) is kept as a row of no known key, as a put without
         owners leaves it."""
+        if not puts:
+            return
+        for _field, column, (stored,), indexes in puts:
+            self._columns[column] = [stored, len(indexes), writer, owners]
+        # Every column of a put holds the same rows: their keys and tags are recorded once, from the first.
+        self._own_rows(puts[0][3], owners, tags)
+        bases = [_user_field(field) if owners is not None else None for field, *_ in puts]
+        released: Counter[str] = Counter()
+        first = puts[0][3]
+        distinct = owners is None or len(set(bases)) == len(bases)
+        if distinct and all(indexes == first for *_, indexes in puts):
+            # The adapter's put: each row takes every column's field. A row that holds no field yet takes them in one
+            # mapping: none is overwritten, and none shadows another wire field of its user field (they differ).
+            named = [(field, column, base) for (field, column, _stored, _indexes), base in zip(puts, bases)]
+            for row, index in enumerate(first):
+                fields = self._rows.get(index)
+                if not fields:
+                    self._rows[index] = {field: (column, row) for field, column, _base in named}
+                    continue
+                for field, column, base in named:
+                    self._put_field(fields, index, field, (column, row), base, released)
+        else:
+            for (field, column, _stored, indexes), base in zip(puts, bases):
+                for row, index in enumerate(indexes):
+                    self._put_field(self._rows.setdefault(index, {}), index, field, (column, row), base, released)
+        for column, count in released.items():
+            self._release(column, count)
+
+    def _own_rows(self, indexes: Sequence[int], owners: Owners | None, tags: IndexTags | None) -> None:
+        """Record the key of each row of a put at ``indexes`` (:meth:`_own`) and merge its reserved tags: the keys' half
+        of :meth:`register`."""
         by_name = None
         if isinstance(tags, dict):  # [(name, values, rows that lack it)]
             absent = tags.get("absent", {})
             by_name = [(name, values, set(absent.get(name, ()))) for name, values in tags["values"].items()]
-        for i, (field, column, (stored,), indexes) in enumerate(puts):
-            self._columns[column] = [stored, len(indexes), writer, owners]
-            base = _user_field(field) if owners is not None else None
-            for row, index in enumerate(indexes):
-                if i == 0:  # every column of a put holds the same rows: record their keys and tags once
-                    key = None if owners is None else (owners[0], owners[1][row])
-                    if key is not None and self._cleared_early.get(key) == index:  # cleared before it landed
-                        del self._cleared_early[key]
-                        self.forget_keys(key[0], [key[1]])
-                        key = None
-                    self._own(index, key)
-                    if key is None:
-                        self._untagged.add(index)
-                    elif by_name is not None:
-                        for name, values, lacking in by_name:
-                            if row not in lacking:
-                                self._tags.setdefault(index, {})[name] = values[row]
-                    elif tags is not None and tags[row]:
-                        self._tags.setdefault(index, {}).update(tags[row])
-                fields = self._rows.setdefault(index, {})
-                old = fields.get(field)
-                if old is None and base is not None and fields and any(_user_field(f) == base for f in fields):
-                    self._shadowed.add(index)
-                fields[field] = (column, row)
-                if old is not None:
-                    self._release(old[0], 1)
+        for row, index in enumerate(indexes):
+            key = None if owners is None else (owners[0], owners[1][row])
+            if key is not None and self._cleared_early.get(key) == index:  # cleared before it landed
+                del self._cleared_early[key]
+                self.forget_keys(key[0], [key[1]])
+                key = None
+            self._own(index, key)
+            if key is None:
+                self._untagged.add(index)
+            elif by_name is not None:
+                for name, values, lacking in by_name:
+                    if row not in lacking:
+                        self._tags.setdefault(index, {})[name] = values[row]
+            elif tags is not None and tags[row]:
+                self._tags.setdefault(index, {}).update(tags[row])
+
+    def _put_field(
+        self,
+        fields: dict[str, tuple[str, int]],
+        index: int,
+        field: str,
+        where: tuple[str, int],
+        base: str | None,
+        released: Counter[str],
+    ) -> None:
+        """Set ``field`` of the row at ``index`` (its ``fields``) to ``where``; count the row it overwrites in
+        ``released``, and mark the row shadowed when it now holds two wire fields of user field ``base``."""
+        old = fields.get(field)
+        if old is None and base is not None and fields and any(_user_field(f) == base for f in fields):
+            self._shadowed.add(index)
+        fields[field] = where
+        if old is not None:
+            released[old[0]] += 1
 
     def locate_keys(
         self,
@@ -158,16 +203,17 @@ class RowIndex:
         of ints, which Ray's reply encoding carries natively, where a dict per key is pickled one by one); or
         ``{"untagged": key}`` for the first key whose tags the controller may hold otherwise (a put that named no
         owners or that failed, see :meth:`forget_keys`, reached its row since the row's last clear)."""
-        indexes = []
-        for key in keys:
-            index = self._index_of.get((partition, key))
-            if index is None:
-                return {"unknown": key}
-            if sole and index in self._shadowed:
-                return {"shadowed": key}
-            if tags is not None and index in self._untagged:
-                return {"untagged": key}
-            indexes.append(index)
+        index_of = self._index_of
+        indexes = [index_of.get((partition, key)) for key in keys]
+        known = indexes.index(None) if None in indexes else len(indexes)  # the keys before the first unknown one
+        if (sole and self._shadowed) or (tags is not None and self._untagged):
+            for key, index in zip(keys[:known], indexes[:known]):
+                if sole and index in self._shadowed:
+                    return {"shadowed": key}
+                if tags is not None and index in self._untagged:
+                    return {"untagged": key}
+        if known < len(indexes):
+            return {"unknown": keys[known]}
         found = self.locate(indexes, fields, (partition, keys))
         found["indexes"] = indexes
         if tags is not None and "locations" in found:
@@ -195,36 +241,54 @@ class RowIndex:
         """
         locations: dict[str, list[list[Any]]] = {}
         wanted: dict[str, None] = {}
+        held = [self._rows.get(index, _NO_FIELDS) for index in indexes]
         for field in fields:
-            runs: list[list[Any]] = []
-            rows: list[int] = []
-            for i, index in enumerate(indexes):
-                where = self._rows.get(index, {}).get(field)
-                if where is None:
-                    return {"missing": [field, index]}
-                column, row = where
-                if owners is not None:
-                    stored = self._columns[column][3]
-                    if stored is not None and (stored[0] != owners[0] or stored[1][row] != owners[1][i]):
-                        return {"reused": [field, index, [stored[0], stored[1][row]]]}
-                if runs and runs[-1][0] == column:
-                    runs[-1][1] += 1
-                else:
-                    runs.append([column, 1])
-                    wanted[column] = None
-                rows.append(row)
+            wheres = [fields_of.get(field) for fields_of in held]
+            found = wheres.index(None) if None in wheres else len(wheres)  # the rows before the first missing one
+            rows = list(map(_second, wheres[:found]))
+            runs = [[column, len(list(run))] for column, run in groupby(map(_first, wheres[:found]))]
+            if owners is not None:  # the first row another key's put registered, among those
+                start = 0
+                for column, count in runs:
+                    reused = self._reused(field, column, indexes, rows, start, start + count, owners)
+                    if reused is not None:
+                        return reused
+                    start += count
+            if found < len(wheres):
+                return {"missing": [field, indexes[found]]}
+            wanted.update(dict.fromkeys(column for column, _count in runs))
             locations[field] = [runs, rows]
         return {"locations": locations, "columns": {c: [self._columns[c][0], self._columns[c][2]] for c in wanted}}
 
+    def _reused(
+        self, field: str, column: str, indexes: Sequence[int], rows: Sequence[int], start: int, stop: int, owners: Owners
+    ) -> dict[str, Any] | None:
+        """:meth:`locate`'s answer for the first of positions ``start:stop`` (a run of ``column``, whose row of
+        position ``i`` is ``rows[i]``) whose row a put registered under another partition or key than ``owners``
+        names, or None."""
+        stored = self._columns[column][3]
+        if stored is None:
+            return None
+        partition, keys = stored
+        if partition == owners[0] and all(map(eq, map(keys.__getitem__, rows[start:stop]), owners[1][start:stop])):
+            return None
+        for i in range(start, stop):
+            if partition != owners[0] or keys[rows[i]] != owners[1][i]:
+                return {"reused": [field, indexes[i], [partition, keys[rows[i]]]]}
+        return None
+
     def clear(self, indexes: Sequence[int]) -> None:
         """Release every field of the rows at ``indexes`` (unknown ones are ignored)."""
-        released: Counter[str] = Counter()
-        for index in indexes:
-            released.update(column for column, _row in self._rows.pop(index, {}).values())
-            self._own(index, None)
-            self._shadowed.discard(index)
-            self._tags.pop(index, None)
-            self._untagged.discard(index)
+        held = [self._rows.pop(index, _NO_FIELDS) for index in indexes]
+        released = Counter(map(_first, chain.from_iterable(fields.values() for fields in held)))
+        key_of, index_of, tags = self._key_of, self._index_of, self._tags
+        for index in indexes:  # _own(index, None), and the tags of a row of no known key go too
+            old = key_of.pop(index, None)
+            if old is not None and index_of.get(old) == index:
+                del index_of[old]
+            tags.pop(index, None)
+        self._shadowed.difference_update(indexes)
+        self._untagged.difference_update(indexes)
         for column, count in released.items():
             self._release(column, count)
 
@@ -247,13 +311,14 @@ class RowIndex:
         TQ's controller, which no longer holds the key (``KeyError``), rather than reading the raced put's rows by
         key. A put of the key after the clear that TQ gives the same index again is answered through the
         controller's lookup as well, until the key's next put there."""
-        dropped = [index for key, index in zip(keys, indexes) if self._key_of.get(index) in (None, (partition, key))]
+        named = [(partition, key) for key in keys]
+        dropped = [index for key, index in zip(named, indexes) if self._key_of.get(index, key) == key]
         remembered = self._cleared_early
-        for key, index in zip(keys, indexes):
-            remembered[(partition, key)] = index
-            remembered.move_to_end((partition, key))  # the newest
-            if self._index_of.get((partition, key), index) != index:  # TQ holds the key no more, here or there
-                self.forget_keys(partition, [key])
+        for key, index in zip(named, indexes):
+            remembered[key] = index
+            remembered.move_to_end(key)  # the newest
+            if self._index_of.get(key, index) != index:  # TQ holds the key no more, here or there
+                self.forget_keys(partition, [key[1]])
         while len(remembered) > CLEARED_EARLY_LIMIT:
             remembered.popitem(last=False)
         self.clear(dropped)
