@@ -78,7 +78,11 @@ def _to_extra_info(value: Any) -> FrozenDict:
 
 
 def _check_unique_strings(name: str, values: tuple[Any, ...]) -> None:
-    seen: set[str] = set()
+    if set(map(type, values)) <= {str}:  # the common case, checked without a Python step per value
+        held = set(values)
+        if len(held) == len(values) and "" not in held:
+            return
+    seen: set[str] = set()  # find the first bad value, to name it
     for i, value in enumerate(values):
         if not isinstance(value, str):
             raise TypeError(f"'{name}' entries must be str: got {type(value).__name__} at index {i}")
