@@ -107,32 +107,68 @@ class RowIndex:
         :meth:`locate_keys`), or ``tags`` holds them by name (:data:`IndexTags`); a put without owners leaves the
         tags of its rows unknown here until they are cleared. A row whose key an owned clear released at its index
         before this register arrived (see :meth:`clear_owned`) is kept as a row of no known key, as a put without
-        owners leaves it."""
+        owners leaves it.
+
+        Raises:
+            ValueError: a column's ``[stored]`` holds other than one entry, or ``owners`` (or, with owners,
+                ``tags``) names another number of rows than the first column has; nothing is recorded.
+        """
         if not puts:
             return
-        for _field, column, (stored,), indexes in puts:
-            self._columns[column] = [stored, len(indexes), writer, owners]
-        # Every column of a put holds the same rows: their keys and tags are recorded once, from the first.
-        self._own_rows(puts[0][3], owners, tags)
-        bases = [_user_field(field) if owners is not None else None for field, *_ in puts]
-        released: Counter[str] = Counter()
         first = puts[0][3]
-        distinct = owners is None or len(set(bases)) == len(bases)
-        if distinct and all(indexes == first for *_, indexes in puts):
-            # The adapter's put: each row takes every column's field. A row that holds no field yet takes them in one
-            # mapping: none is overwritten, and none shadows another wire field of its user field (they differ).
-            named = [(field, column, base) for (field, column, _stored, _indexes), base in zip(puts, bases)]
-            for row, index in enumerate(first):
-                fields = self._rows.get(index)
-                if not fields:
-                    self._rows[index] = {field: (column, row) for field, column, _base in named}
-                    continue
-                for field, column, base in named:
-                    self._put_field(fields, index, field, (column, row), base, released)
-        else:
-            for (field, column, _stored, indexes), base in zip(puts, bases):
-                for row, index in enumerate(indexes):
-                    self._put_field(self._rows.setdefault(index, {}), index, field, (column, row), base, released)
+        _check_register(puts, len(first), owners, tags)
+        # Every column of a put holds the same rows: their keys and tags are recorded once, from the first.
+        self._own_rows(first, owners, tags)
+        bases = [_user_field(field) if owners is not None else None for field, *_ in puts]
+        if self._fresh_columns(puts, bases):
+            self._register_rows(writer, puts, bases, owners)
+            return
+        for (field, column, (stored,), indexes), base in zip(puts, bases):  # a column, then its rows
+            self._columns[column] = [stored, len(indexes), writer, owners]
+            for row, index in enumerate(indexes):
+                old = self._put_field(self._rows.setdefault(index, {}), index, field, (column, row), base)
+                if old is not None:
+                    self._release(old, 1)
+
+    def _fresh_columns(self, puts: Sequence[tuple[str, str, list[Any], Sequence[int]]], bases: list[str | None]) -> bool:
+        """Whether :meth:`_register_rows` may record ``puts``, as the adapter's puts are: new column ids, one per
+        column; distinct fields (and user fields ``bases``, when the put names its owners); the same rows in every
+        column."""
+        first = puts[0][3]
+        fields = [field for field, *_ in puts]
+        columns = [column for _field, column, *_ in puts]
+        return (
+            len(set(fields)) == len(fields)
+            and (bases[0] is None or len(set(bases)) == len(bases))
+            and len(set(columns)) == len(columns)
+            and not any(column in self._columns for column in columns)
+            and all(indexes is first or list(indexes) == list(first) for *_, indexes in puts)
+        )
+
+    def _register_rows(
+        self,
+        writer: str,
+        puts: Sequence[tuple[str, str, list[Any], Sequence[int]]],
+        bases: list[str | None],
+        owners: Owners | None,
+    ) -> None:
+        """The rows' half of :meth:`register` for :meth:`_fresh_columns` puts, row by row: a row that holds no field
+        yet takes every column's field in one mapping (none is overwritten, none shadows another wire field of its
+        user field); the rows overwritten are released at the end (never one of these columns, which are new)."""
+        named = []
+        for (field, column, (stored,), indexes), base in zip(puts, bases):
+            self._columns[column] = [stored, len(indexes), writer, owners]
+            named.append((field, column, base))
+        released: Counter[str] = Counter()
+        for row, index in enumerate(puts[0][3]):
+            fields = self._rows.get(index)
+            if not fields:
+                self._rows[index] = {field: (column, row) for field, column, _base in named}
+                continue
+            for field, column, base in named:
+                old = self._put_field(fields, index, field, (column, row), base)
+                if old is not None:
+                    released[old] += 1
         for column, count in released.items():
             self._release(column, count)
 
@@ -166,16 +202,15 @@ class RowIndex:
         field: str,
         where: tuple[str, int],
         base: str | None,
-        released: Counter[str],
-    ) -> None:
-        """Set ``field`` of the row at ``index`` (its ``fields``) to ``where``; count the row it overwrites in
-        ``released``, and mark the row shadowed when it now holds two wire fields of user field ``base``."""
+    ) -> str | None:
+        """Set ``field`` of the row at ``index`` (its ``fields``) to ``where``, marking the row shadowed when it now
+        holds two wire fields of user field ``base``; returns the column of the row it overwrites, for the caller to
+        release, or None."""
         old = fields.get(field)
         if old is None and base is not None and fields and any(_user_field(f) == base for f in fields):
             self._shadowed.add(index)
         fields[field] = where
-        if old is not None:
-            released[old[0]] += 1
+        return None if old is None else old[0]
 
     def locate_keys(
         self,
@@ -239,6 +274,8 @@ class RowIndex:
         The reply is lists of strings and ints, which Ray's reply encoding carries natively (a tuple per row
         would be pickled one by one), with each column id once per run rather than once per row.
         """
+        if owners is not None and len(owners[1]) != len(indexes):
+            raise ValueError(f"'owners' names {len(owners[1])} keys for {len(indexes)} global indexes")
         locations: dict[str, list[list[Any]]] = {}
         wanted: dict[str, None] = {}
         held = [self._rows.get(index, _NO_FIELDS) for index in indexes]
@@ -279,6 +316,7 @@ class RowIndex:
 
     def clear(self, indexes: Sequence[int]) -> None:
         """Release every field of the rows at ``indexes`` (unknown ones are ignored)."""
+        indexes = list(indexes)
         held = [self._rows.pop(index, _NO_FIELDS) for index in indexes]
         released = Counter(map(_first, chain.from_iterable(fields.values() for fields in held)))
         key_of, index_of, tags = self._key_of, self._index_of, self._tags
@@ -361,6 +399,25 @@ class RowIndex:
         entry[1] -= count
         if entry[1] <= 0:
             del self._columns[column]
+
+
+def _check_register(
+    puts: Sequence[tuple[str, str, list[Any], Sequence[int]]], rows: int, owners: Owners | None, tags: IndexTags | None
+) -> None:
+    """:meth:`RowIndex.register`'s checks of its arguments, before it records anything (``rows``: the first column's)."""
+    for field, _column, stored, _indexes in puts:
+        if len(stored) != 1:
+            raise ValueError(f"the column of field {field!r} must hold one stored entry: got {len(stored)}")
+    if owners is None:
+        return
+    if len(owners[1]) != rows:
+        raise ValueError(f"'owners' names {len(owners[1])} keys for the {rows} rows of the put")
+    if isinstance(tags, dict):
+        for name, values in tags["values"].items():
+            if len(values) != rows:
+                raise ValueError(f"'tags' holds {len(values)} values of {name!r} for the {rows} rows of the put")
+    elif tags is not None and len(tags) != rows:
+        raise ValueError(f"'tags' holds {len(tags)} rows' tags for the {rows} rows of the put")
 
 
 def _user_field(wire: str) -> str:

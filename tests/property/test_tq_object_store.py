@@ -494,6 +494,49 @@ def test_the_index_remembers_only_the_latest_cleared_keys() -> None:
     assert index.locate_keys("p", ["k0"], ["a"]) == {"unknown": "k0"}
 
 
+def test_a_register_of_one_field_twice_or_of_an_old_column_id_counts_columns_as_its_columns_come() -> None:
+    """Columns are recorded in a put's order, each with its rows, so a put that names one field twice keeps the
+    later column's rows and releases the earlier column, and a column id that an earlier column of the put released
+    holds its new rows (puts of other shapes than the adapter's, which take the per-column path)."""
+    index = RowIndex()
+    index.register("writer", [("f", "c1", [("s1", None)], [0]), ("f", "c2", [("s2", None)], [0])])
+    assert index.stats() == {"columns": 1, "rows": 1}
+    assert index.locate([0], ["f"])["locations"] == {"f": [[["c2", 1]], [0]]}
+    index.register("writer", [("g", "c", [("s3", None)], [1])])
+    index.register("writer", [("g", "x", [("s4", None)], [1]), ("h", "c", [("s5", None)], [1])])
+    found = index.locate([1], ["g", "h"])
+    assert found["locations"] == {"g": [[["x", 1]], [0]], "h": [[["c", 1]], [0]]}
+    assert found["columns"] == {"x": [("s4", None), "writer"], "c": [("s5", None), "writer"]}
+    assert index.stats() == {"columns": 3, "rows": 2}
+
+
+@pytest.mark.parametrize(
+    ("puts", "owners", "tags", "message"),
+    [
+        ([("a@x", "c1", [("s", None)], [0, 1])], ("p", ["k0"]), None, "'owners' names 1 keys for the 2 rows"),
+        ([("a@x", "c1", [("s", None)], [0, 1])], ("p", ["k0", "k1"]), [{}], "'tags' holds 1 rows' tags for the 2"),
+        (
+            [("a@x", "c1", [("s", None)], [0, 1])],
+            ("p", ["k0", "k1"]),
+            {"values": {"__digest__.a": [1, 2, 3]}, "absent": {}},
+            "'tags' holds 3 values of '__digest__.a' for the 2 rows",
+        ),
+        ([("a@x", "c1", [("s", None), ("t", None)], [0, 1])], None, None, "field 'a@x' must hold one stored entry: got 2"),
+    ],
+)
+def test_the_index_refuses_a_register_of_other_rows_than_its_columns_and_records_nothing(
+    puts: list[tuple], owners: Any, tags: Any, message: str
+) -> None:
+    index = RowIndex()
+    index.register("writer", [("a@x", "c0", [("s0", None)], [0, 1])], ("p", ["k0", "k1"]), [{"__digest__.a": 7}] * 2)
+    before = (index.stats(), index.locate_keys("p", ["k0", "k1"], ["a@x"], tags=["__digest__.a"]))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        index.register("writer", puts, owners, tags)
+    assert (index.stats(), index.locate_keys("p", ["k0", "k1"], ["a@x"], tags=["__digest__.a"])) == before
+    with pytest.raises(ValueError, match="'owners' names 1 keys for 2 global indexes"):
+        index.locate([0, 1], ["a@x"], ("p", ["k0"]))
+
+
 _tagged_put = st.tuples(_put, st.booleans()).map(lambda p: (*p[0], p[1]))  # the last: whether it sends digests
 _forget = st.tuples(
     st.just("forget"), st.sampled_from(PARTITIONS), st.lists(st.sampled_from(KEYS), min_size=1, max_size=2, unique=True)
