@@ -130,7 +130,9 @@ class RowIndex:
                 if old is not None:
                     self._release(old, 1)
 
-    def _fresh_columns(self, puts: Sequence[tuple[str, str, list[Any], Sequence[int]]], bases: list[str | None]) -> bool:
+    def _fresh_columns(
+        self, puts: Sequence[tuple[str, str, list[Any], Sequence[int]]], bases: list[str | None]
+    ) -> bool:
         """Whether :meth:`_register_rows` may record ``puts``, as the adapter's puts are: new column ids, one per
         column; distinct fields (and user fields ``bases``, when the put names its owners); the same rows in every
         column."""
@@ -319,12 +321,9 @@ class RowIndex:
         indexes = list(indexes)
         held = [self._rows.pop(index, _NO_FIELDS) for index in indexes]
         released = Counter(map(_first, chain.from_iterable(fields.values() for fields in held)))
-        key_of, index_of, tags = self._key_of, self._index_of, self._tags
-        for index in indexes:  # _own(index, None), and the tags of a row of no known key go too
-            old = key_of.pop(index, None)
-            if old is not None and index_of.get(old) == index:
-                del index_of[old]
-            tags.pop(index, None)
+        for index in indexes:
+            self._own(index, None)
+            self._tags.pop(index, None)  # a row of no known key's too
         self._shadowed.difference_update(indexes)
         self._untagged.difference_update(indexes)
         for column, count in released.items():
