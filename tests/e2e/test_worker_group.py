@@ -524,6 +524,29 @@ def test_worker_group_rank_options_place_each_rank(ray_cluster: None) -> None:
         assert wg.call(Worker.node_id) == [driver_node()] * 2
 
 
+def test_node_of_loads_nothing_into_the_actor_it_asks(ray_cluster: None) -> None:
+    """``node_of`` answers the actor's node without making it import this project or torch: the run asks it of
+    TransferQueue's object-store index, a process that never loads them otherwise."""
+    from shell.node_placement import driver_node, node_of
+
+    @ray.remote(num_cpus=0)
+    class Bare:  # defined here, so Ray sends it by value: its process imports no test module
+        def modules(self) -> list[str]:
+            import sys
+
+            return sorted(sys.modules)
+
+    bare = Bare.remote()  # type: ignore[attr-defined]
+    try:
+        before = set(ray.get(bare.modules.remote()))
+        assert "torch" not in before
+        assert node_of(bare) == driver_node()
+        loaded = set(ray.get(bare.modules.remote())) - before
+        assert not {m for m in loaded if m.split(".")[0] in {"shell", "core", "adapters", "torch"}}, sorted(loaded)
+    finally:
+        ray.kill(bare)
+
+
 def test_worker_group_rejects_bad_rank_options() -> None:
     """rank_options: one mapping per rank, never one of the group's own options; checked before any actor starts."""
     sharding = NamedSharding({"data_parallel": 2})
