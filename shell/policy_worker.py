@@ -31,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
@@ -59,6 +60,11 @@ FetchPolicy = Literal["auto", "independent", "leader_broadcast"]
 (``leader_broadcast``), or leader broadcast when the replica group has more than one rank (``auto``)."""
 LOGPROB_OUTPUTS: tuple[str, ...] = (PREV_LOGPROBS, REFERENCE_LOGPROBS)
 """What :meth:`PolicyWorker.logprobs` can compute: the policy's and the frozen reference's log-probs."""
+COMPUTE_SECONDS = "compute_s"
+"""The key of a ``logprobs`` or ``train`` result that holds the wall seconds the rank spent in the model (its
+forward passes, or its optimizer steps), from its rows in memory to its outputs in memory: none of the call's
+transport (reading the rows, delivering the outputs) and none of its dispatch. A call's wall time less its slowest
+rank's ``compute_s`` is what it spent outside the model: the transport, the dispatch and the driver's planning."""
 _FETCH_POLICIES: tuple[str, ...] = get_args(FetchPolicy)
 
 
@@ -355,7 +361,8 @@ class PolicyWorker(ModelWorker):
         reads those already stored in the same fetch, and the rank keeps them.
 
         Returns:
-            Small stats (rank, rows, micro-batch counts, forward length), plus
+            Small stats (rank, rows, micro-batch counts, forward length, and
+            :data:`COMPUTE_SECONDS`: the seconds of the model's forward passes), plus
             what ``shard.deliver`` reports (the outputs themselves on the legacy
             path; the store I/O on the data plane).
 
@@ -372,6 +379,7 @@ class PolicyWorker(ModelWorker):
         input_ids, lengths = batch[INPUT_IDS], batch[LENGTHS]
         routed = batch[ROUTED_EXPERTS] if self.config.router_replay else None
         results = {}
+        began = time.perf_counter()
         for name in names:
             # The routing is the sampling policy's: the policy replays it, the frozen reference routes by its own scores.
             forward = self.backend.reference_logprobs if name == REFERENCE_LOGPROBS else self.backend.logprobs
@@ -381,25 +389,30 @@ class PolicyWorker(ModelWorker):
                 for step in plan
                 for a, b in step
             ])
-        return {**self._stats(batch, plan), **shard.deliver(self, results)}
+        computed = time.perf_counter() - began
+        return {**self._stats(batch, plan), COMPUTE_SECONDS: computed, **shard.deliver(self, results)}
 
     @sharded
     def train(self, shard: RankInput, *, loss_fn: Any) -> dict[str, Any]:
         """One optimizer step per global batch of the rank's rows (``loss_fn`` reads ``loss_fn.input_fields``).
 
         Returns:
-            Stats, and per step the loss, the grad norm and the micro-batches' metrics.
+            Stats (:data:`COMPUTE_SECONDS`: the seconds of the optimizer steps), and per step the loss, the grad
+            norm and the micro-batches' metrics.
         """
         batch = shard.rows(self, [INPUT_IDS, *self.config.replay_fields, *getattr(loss_fn, "input_fields", ())])
         plan = micro_batch_spans(shard.extra_info, len(batch))
         tensors = _tensors(batch)
         steps = []
+        began = time.perf_counter()
         for step in plan:
             micro_batches = [{name: t[a:b] for name, t in tensors.items()} for a, b in step]
             steps.append(self.backend.train_step(micro_batches, loss_fn))
+        computed = time.perf_counter() - began
         self._row_cache.clear()  # the step's rows are done with
         return {
             **self._stats(batch, plan),
+            COMPUTE_SECONDS: computed,
             "loss": [s["loss"] for s in steps],
             "grad_norm": [s["grad_norm"] for s in steps],
             "metrics": [s["metrics"] for s in steps],

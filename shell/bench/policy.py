@@ -20,13 +20,20 @@ keyword arguments) and of what comes back, measured at the group's
 into the store is not counted: it happens once per step in either design
 (legacy keeps the batch on the driver instead). Wall time is the median of
 ``repeats`` calls after one warm-up call.
+
+Model time is, per call, what its slowest rank spent in the model
+(:data:`shell.policy_worker.COMPUTE_SECONDS`: the forwards, or the optimizer
+steps), which no transport can take off the call. Its share of the legacy
+call (the ``floor``) is the ratio data plane / legacy that a transport
+costing nothing would reach: a goal below the floor is out of any
+transport's reach on that machine.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -43,6 +50,7 @@ from shell.bench.report import Report
 from shell.column_io import first_write
 from shell.loss import GRPOLoss
 from shell.policy import DEVICES, Policy, PolicyConfig, build_group
+from shell.policy_worker import COMPUTE_SECONDS
 from shell.step_rows import StepRows
 from shell.transport import DataPlaneTransport, LegacyTransport
 from shell.worker import dispatch_of
@@ -80,12 +88,14 @@ class PolicyBenchConfig:
 
 
 class MeteredGroup:
-    """Forwards to a ``WorkerGroup``, recording the serialized bytes its ``@sharded`` calls send and receive."""
+    """Forwards to a ``WorkerGroup``, recording the serialized bytes its ``@sharded`` calls send and receive, and the
+    model seconds of their slowest rank (:data:`shell.policy_worker.COMPUTE_SECONDS`)."""
 
     def __init__(self, group: WorkerGroup) -> None:
         self._group = group
         self.sent = 0
         self.received = 0
+        self.compute_s = 0.0
 
     def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         if dispatch_of(method) != "sharded":
@@ -95,13 +105,34 @@ class MeteredGroup:
         self.sent += sum(len(cloudpickle.dumps(v)) for v in (*rest, *kwargs.values()))
         results = self._group.call(method, *args, **kwargs)
         self.received += sum(len(cloudpickle.dumps(r)) for r in results)
+        self.compute_s += slowest_compute(results)
         return results
 
     def take(self) -> tuple[int, int]:
-        """The bytes sent and received since the last call."""
+        """The bytes sent and received since the last call (the model seconds since then are dropped)."""
         out = (self.sent, self.received)
         self.sent = self.received = 0
+        self.compute_s = 0.0
         return out
+
+    def take_compute(self) -> float:
+        """The model seconds of the calls since the last ``take`` or ``take_compute``: per call, its slowest rank's."""
+        out, self.compute_s = self.compute_s, 0.0
+        return out
+
+
+def slowest_compute(results: Sequence[Mapping[str, Any]]) -> float:
+    """The model seconds of a ``logprobs`` or ``train`` call: its slowest rank's ``compute_s``, which the call's wall
+    time cannot go below whatever moves its rows.
+
+    Raises:
+        KeyError: a rank's result holds no ``compute_s``.
+
+    Example:
+        >>> slowest_compute([{"compute_s": 1.5}, {"compute_s": 2.0}])
+        2.0
+    """
+    return max(float(result[COMPUTE_SECONDS]) for result in results)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._group, name)
@@ -163,28 +194,59 @@ def describe_ranks(cfg: PolicyBenchConfig) -> str:
     return f"DP={cfg.dp}" if cfg.device == "cpu" else f"DP={cfg.dp} on {cfg.device}"
 
 
-def _measure(
-    calls: dict[str, Callable[[], Any]], metered: MeteredGroup, repeats: int
-) -> tuple[dict[str, tuple[float, int, int]], list[float]]:
-    """Per path: the median seconds of ``repeats`` calls (after a warm-up) and the bytes of one call; and the
-    per-repeat ratios data plane / legacy, the two paths run back to back in alternating order."""
-    measured: dict[str, tuple[float, int, int]] = {}
+@attrs.frozen
+class Measured:
+    """One path of one call: the median wall seconds and model seconds (:func:`slowest_compute`) of the timed
+    calls, and the bytes one call sent and received through the driver."""
+
+    wall_s: float
+    compute_s: float
+    sent: int
+    received: int
+
+
+@attrs.frozen
+class Paired:
+    """The paired repeats of one call: per repeat, the data plane's wall time over legacy's (``ratios``), and the
+    share of legacy's call that its slowest rank spent in the model (``floors``): the ratio a transport that cost
+    nothing, and added no dispatch, would reach against it."""
+
+    ratios: tuple[float, ...]
+    floors: tuple[float, ...]
+
+
+def _measure(calls: dict[str, Callable[[], Any]], metered: MeteredGroup, repeats: int) -> tuple[dict[str, Measured], Paired]:
+    """Per path: its :class:`Measured` over ``repeats`` calls (after a warm-up); and the :class:`Paired` repeats, the
+    two paths run back to back in alternating order."""
     bytes_of = {}
     for name, call in calls.items():
         call()
         bytes_of[name] = metered.take()
     times: dict[str, list[float]] = {name: [] for name in calls}
+    computes: dict[str, list[float]] = {name: [] for name in calls}
     for repeat in range(repeats):
         order = list(calls) if repeat % 2 == 0 else list(calls)[::-1]
         for name in order:
+            metered.take_compute()
             start = time.perf_counter()
             calls[name]()
             times[name].append(time.perf_counter() - start)
+            computes[name].append(metered.take_compute())
     metered.take()
-    for name in calls:
-        measured[name] = (statistics.median(times[name]), *bytes_of[name])
-    ratios = [d / legacy for legacy, d in zip(times["legacy"], times["data plane"])]
-    return measured, ratios
+    measured = {
+        name: Measured(statistics.median(times[name]), statistics.median(computes[name]), *bytes_of[name])
+        for name in calls
+    }
+    paired = Paired(
+        ratios=tuple(d / legacy for legacy, d in zip(times["legacy"], times["data plane"])),
+        floors=tuple(c / legacy for legacy, c in zip(times["legacy"], computes["legacy"])),
+    )
+    return measured, paired
+
+
+def _spread(values: Sequence[float], digits: int = 2) -> str:
+    """``"0.99x (0.97-1.06)"``: the median and the range, to ``digits`` decimals."""
+    return f"{statistics.median(values):.{digits}f}x ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def run(cfg: PolicyBenchConfig, report: Report) -> None:
@@ -213,8 +275,8 @@ def run(cfg: PolicyBenchConfig, report: Report) -> None:
             plane_transport.admit(stored, {})  # the step owns the keys: finish clears them
             try:
                 in_memory = legacy.prepare(StepRows(legacy_meta(lengths), data))
-                rows: dict[str, dict[str, tuple[float, int, int]]] = {}
-                ratios: dict[str, list[float]] = {}
+                rows: dict[str, dict[str, Measured]] = {}
+                ratios: dict[str, Paired] = {}
                 rows["logprobs"], ratios["logprobs"] = _measure(
                     {"legacy": lambda: legacy.logprobs(in_memory), "data plane": lambda: plane.logprobs(stored)},
                     metered, cfg.repeats,
@@ -240,19 +302,25 @@ def run(cfg: PolicyBenchConfig, report: Report) -> None:
                 plane_transport.finish(stored)
     table = []
     for call, paths in rows.items():
-        (_, ls, lr), (_, ds, dr) = paths["legacy"], paths["data plane"]
-        for name, (t, s, r) in paths.items():
-            table.append([call, name, f"{s:,}", f"{r:,}", f"{s + r:,}", f"{t * 1e3:.1f}"])
-        fewer = 1.0 - (ds + dr) / (ls + lr)
+        legacy_path, plane_path = paths["legacy"], paths["data plane"]
+        for name, m in paths.items():
+            table.append([
+                call, name, f"{m.sent:,}", f"{m.received:,}", f"{m.sent + m.received:,}", f"{m.wall_s * 1e3:.1f}",
+                f"{m.compute_s * 1e3:.1f}",
+            ])
+        fewer = 1.0 - (plane_path.sent + plane_path.received) / (legacy_path.sent + legacy_path.received)
         paired = ratios[call]
         table.append([
-            call, "data plane / legacy (paired)", f"{ds / ls:.3f}", f"{dr / lr:.3f}", f"{fewer:.1%} fewer",
-            f"{statistics.median(paired):.2f}x ({min(paired):.2f}-{max(paired):.2f})",
+            call, "data plane / legacy (paired)", f"{plane_path.sent / legacy_path.sent:.3f}",
+            f"{plane_path.received / legacy_path.received:.3f}", f"{fewer:.1%} fewer", _spread(paired.ratios),
+            f"floor {_spread(paired.floors, 3)}",
         ])
     report.table(
         f"Driver bytes and wall time per call ({describe_workload(cfg)}, {describe_ranks(cfg)}; time: median of {cfg.repeats} calls, "
-        f"ratio: median and range of {cfg.repeats} paired repeats, order alternated)",
-        ["call", "path", "bytes sent", "bytes returned", "bytes total", "wall ms"],
+        f"ratio: median and range of {cfg.repeats} paired repeats, order alternated; model: the slowest rank's "
+        f"time in the model; floor: legacy's model time over its wall time, the ratio a transport that cost nothing "
+        f"would reach)",
+        ["call", "path", "bytes sent", "bytes returned", "bytes total", "wall ms", "model ms"],
         table,
     )
     report.advance()

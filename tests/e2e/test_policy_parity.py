@@ -18,6 +18,7 @@ Per layout and batching mode (none, packing, dynamic batching):
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -35,6 +36,7 @@ from core.model_config import TinyGPTConfig
 from core.sharding import DynamicBatchingSpec, PackingSpec
 from core.step_plan import legacy_meta, shard_step
 from core.topology import NamedSharding
+from shell.bench.policy import MeteredGroup
 from shell.column_io import first_write
 from shell.loss import GRPOLoss
 from shell.policy import Policy, PolicyConfig, build_group
@@ -272,6 +274,38 @@ def test_policy_keeps_for_train_the_rows_each_rank_trains_on_and_writes_back_onl
     assert plane_result.grad_norm == legacy_result.grad_norm
     assert plane_result.micro_batch_metrics == legacy_result.micro_batch_metrics
     assert not set(rows.meta.keys) & set(client.list_keys(rows.meta.partition_id))
+
+
+def test_each_call_reports_its_slowest_ranks_model_seconds_within_its_wall_time(
+    group: WorkerGroup, client: DataPlaneClient
+) -> None:
+    """Every rank's log-prob and train result holds ``compute_s`` (else the meter raises ``KeyError``), and a call's
+    slowest rank's (what ``shell.bench policy`` reports as its model time) is positive and below the call's wall
+    time, on both transports."""
+    config = _config(_layout(group), "none")
+    data = _batch(seed=31)
+    metered = MeteredGroup(group)
+    legacy = Policy(config, LegacyTransport(), group=metered)  # type: ignore[arg-type]
+    legacy_rows = legacy.prepare(StepRows(legacy_meta(data["lengths"].tolist()), data))
+    plane, rows = _plane(group, client, config, _write(client, data))
+    plane = Policy(config, plane.transport, group=metered)  # type: ignore[arg-type]
+    try:
+        for call in (
+            lambda: legacy.logprobs(legacy_rows, reference=True),
+            lambda: legacy.train(legacy.logprobs(legacy_rows, reference=True), LOSS),
+            lambda: plane.logprobs(rows, reference=True),
+            lambda: plane.train(plane.logprobs(rows, reference=True), LOSS),
+        ):
+            group.call(PolicyWorker.reset)
+            metered.take()
+            start = time.perf_counter()
+            call()
+            wall = time.perf_counter() - start
+            model = metered.take_compute()
+            assert 0.0 < model < wall, (model, wall)
+    finally:
+        plane.transport.finish(rows)
+    group.call(RecordingPolicyWorker.take_write_log)
 
 
 class MissingFieldLoss(GRPOLoss):

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shell.bench.policy import PolicyBenchConfig, describe_ranks, describe_workload, policy_config, workload
+from shell.bench.policy import PolicyBenchConfig, describe_ranks, describe_workload, policy_config, slowest_compute, workload
 
 
 @settings(max_examples=25, deadline=None)
@@ -135,3 +135,15 @@ def test_grpo_bench_cli_refuses_a_gpu_shortage_and_a_bad_override_before_startin
         bench_main(["grpo", "--steps", "3", "policy.device=gpu"])
     assert exit_.value.code == 2
     assert "config key 'policy.device'" in capsys.readouterr().err
+
+
+@settings(max_examples=50, deadline=None)
+@given(seconds=st.lists(st.floats(0.0, 1e4, allow_nan=False), min_size=1, max_size=8))
+def test_a_calls_model_time_is_its_slowest_ranks(seconds: list[float]) -> None:
+    """Law: the model time of a call is the largest of its ranks' ``compute_s`` (the ranks run at once)."""
+    assert slowest_compute([{"compute_s": s, "rank": i} for i, s in enumerate(seconds)]) == max(seconds)
+
+
+def test_a_result_without_model_time_is_refused_naming_the_key() -> None:
+    with pytest.raises(KeyError, match="compute_s"):
+        slowest_compute([{"compute_s": 1.0}, {"rank": 1}])
