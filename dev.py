@@ -50,6 +50,10 @@ def ensure_env() -> Path:
     return python
 
 
+SLOWEST_SHOWN = 15
+"""How many of the slowest test phases ``dev.py test`` lists at the end of its report."""
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in {"run", "test", "setup"}:
         print("usage: python3 dev.py {run|test|setup} [extra args...]", file=sys.stderr)
@@ -61,7 +65,8 @@ def main(argv: list[str]) -> int:
     if command == "run":
         args = [str(python), *MAIN_JOB, *extra]
     else:
-        args = [str(python), "-m", "pytest", *extra]
+        # The slowest tests close the report, so every CI log shows where the suite's time goes.
+        args = [str(python), "-m", "pytest", f"--durations={SLOWEST_SHOWN}", *extra]
     child = subprocess.Popen(args, cwd=ROOT)
     # Ctrl-C reaches the child too (same process group) and it shuts down cleanly; this process
     # must neither die first nor kill it (subprocess.run kills its child on KeyboardInterrupt).
