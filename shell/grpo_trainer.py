@@ -699,6 +699,8 @@ class GRPOTrainer:
             "optimizer_steps": len(result.loss),
             "step_time_s": time.perf_counter() - start,
             **{f"phase_{name}_s": value for name, value in self.timer.durations().items()},
+            # the policy's time in the model, within the logprobs and train phases (the rest is moving rows)
+            **{f"model_{call}_s": seconds for call, seconds in self._policy.model_seconds.items()},
             **taken.metrics,
             "data_plane_ms": report.store_ms,
             "data_plane_ms_by_call": dict(report.store_ms_by_call),

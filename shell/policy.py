@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, get_args
 
 import attrs
@@ -35,7 +36,7 @@ from core.step_plan import StepLayout, TrainResult, check_kept_rows, kept_rows, 
 from core.topology import NamedSharding
 from adapters.store_health import failure_in
 from shell.model_worker import ClientFactory
-from shell.policy_worker import FetchPolicy, PolicyWorker, PolicyWorkerConfig
+from shell.policy_worker import FetchPolicy, PolicyWorker, PolicyWorkerConfig, slowest_compute
 from shell.step_rows import StepRows
 from shell.transport import Transport
 from shell.config_schema import NodePlacement
@@ -223,10 +224,21 @@ class Policy:
         self._kept: dict[str, int] = {}  # key -> DP rank that kept its log-probs for the next train call
         # The train sharding logprobs(keep_for_train=True) planned, with the keys and lengths it planned it for.
         self._train_split: tuple[KVBatchMeta, Shards, Unsorted] | None = None
+        self._model_seconds: dict[str, float] = {}
 
     def shutdown(self) -> None:
         """Shut the worker group down (a second call does nothing)."""
         self.group.shutdown()
+
+    @property
+    def model_seconds(self) -> Mapping[str, float]:
+        """The seconds the latest ``logprobs`` call, and the ``train`` call after it, spent in the model: each call's
+        slowest rank's (:func:`shell.policy_worker.slowest_compute`), under the keys ``"logprobs"`` and ``"train"``.
+
+        A ``logprobs`` call starts afresh (a key is absent until its call has returned), so after a GRPO step it
+        holds that step's two calls. A call's wall time less its model seconds is what it spent moving rows and
+        dispatching."""
+        return MappingProxyType(dict(self._model_seconds))
 
     # ------------------------------------------------------------ the step
 
@@ -255,7 +267,7 @@ class Policy:
         """
         names = (PREV_LOGPROBS, REFERENCE_LOGPROBS) if reference else (PREV_LOGPROBS,)
         _check_prepared(rows)
-        self._kept, self._train_split = {}, None
+        self._kept, self._train_split, self._model_seconds = {}, None, {}
         with self._releasing_on_failure():
             shards, unsorted = shard_step(rows.meta, self.config.layout, train=False)
             keep: tuple[frozenset[str], ...] = ()
@@ -267,6 +279,7 @@ class Policy:
                 rows, shards, unsorted, fields=(INPUT_IDS, *self.config.replay_fields), keep=keep
             )
             results = self.group.call(PolicyWorker.logprobs, inputs, outputs=names, prefetch=tuple(prefetch))
+            self._model_seconds["logprobs"] = slowest_compute(results)
             collected = self.transport.collect(rows, results, unsorted, names)
         self._kept = {key: rank for rank, keys in enumerate(keep) for key in keys}
         self._train_split = train_split
@@ -292,6 +305,7 @@ class Policy:
             check_kept_rows(kept, shards)
             inputs = self.transport.rank_inputs(rows, shards, unsorted, fields=fields)
             results = self.group.call(PolicyWorker.train, inputs, loss_fn=loss_fn)
+            self._model_seconds["train"] = slowest_compute(results)
             self.transport.collect(rows, results, unsorted, ())
             return merge_train(results)
 

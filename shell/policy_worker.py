@@ -68,6 +68,21 @@ rank's ``compute_s`` is what it spent outside the model: the transport, the disp
 _FETCH_POLICIES: tuple[str, ...] = get_args(FetchPolicy)
 
 
+def slowest_compute(results: Sequence[Mapping[str, Any]]) -> float:
+    """The model seconds of a ``logprobs`` or ``train`` call from its ranks' results: its slowest rank's
+    :data:`COMPUTE_SECONDS` (the ranks compute at once), which the call's wall time cannot go below whatever moves
+    its rows.
+
+    Raises:
+        KeyError: a rank's result holds no ``compute_s``.
+
+    Example:
+        >>> slowest_compute([{"compute_s": 1.5}, {"compute_s": 2.0}])
+        2.0
+    """
+    return max(float(result[COMPUTE_SECONDS]) for result in results)
+
+
 @attrs.frozen
 class PolicyWorkerConfig:
     """What every rank builds its backend from (the same on all ranks).

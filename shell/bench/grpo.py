@@ -23,10 +23,11 @@ where the step's difference goes.
 from __future__ import annotations
 
 import contextlib
+import operator
 import statistics
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -194,7 +195,8 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
     )
     report.table(
         f"Phase times per path (ms; per path the median over the {cfg.repeats} repeats of each repeat's median after "
-        f"{cfg.warmup} warm-up steps) and what the data plane adds to each (its ms minus legacy's)",
+        f"{cfg.warmup} warm-up steps) and what the data plane adds to each (its ms minus legacy's); last, the "
+        f"policy calls' time outside the model (their phase less the slowest rank's model time)",
         ["phase", "legacy ms", "data plane ms", "data plane - legacy ms"],
         phase_rows(results, cfg.warmup),
     )
@@ -224,6 +226,9 @@ def phase_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup
     the whole step (``step_time_s``): per path the median over the runs of each run's median, in ms, and the data
     plane's minus legacy's. Where a step's extra time goes is the last column, in ms, which a ratio of two
     near-zero phase times does not show. (Medians do not add up: the rows' sum is not the step's median.)
+    Last, for ``logprobs`` and ``train`` when every record holds the policy's time in the model
+    (``model_<call>_s``), the phase's time outside the model (``phase_<call>_s`` minus it): what the call spends
+    moving rows and dispatching, without the model's own time, which varies from step to step more than that.
 
     Raises:
         ValueError: a path has no runs, or a run has no record after ``warmup``.
@@ -242,16 +247,31 @@ def phase_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup
     def other(record: dict[str, Any]) -> float:
         return record["step_time_s"] - sum(v for k, v in record.items() if k.startswith("phase_"))
 
-    def ms(path: str, key: str) -> float:
-        value = other if key == OTHER else lambda record: record[key]
+    def outside(call: str) -> Callable[[dict[str, Any]], float]:
+        return lambda record: record[f"phase_{call}_s"] - record[f"model_{call}_s"]
+
+    def ms(path: str, value: Callable[[dict[str, Any]], float]) -> float:
         return 1e3 * statistics.median(statistics.median(value(r) for r in run) for run in kept[path])
 
+    named: list[tuple[str, Callable[[dict[str, Any]], float]]] = [
+        *((k[len("phase_"):].removesuffix("_s"), operator.itemgetter(k)) for k in phases),
+        (OTHER, other),
+        ("step", operator.itemgetter("step_time_s")),
+        *(
+            (f"{call} outside the model", outside(call))
+            for call in MODEL_CALLS
+            if all(f"phase_{call}_s" in r and f"model_{call}_s" in r for r in every)
+        ),
+    ]
     rows = []
-    named = [*((k, k[len("phase_"):].removesuffix("_s")) for k in phases), (OTHER, OTHER), ("step_time_s", "step")]
-    for key, name in named:
-        legacy, plane = ms("legacy", key), ms("data plane", key)
+    for name, value in named:
+        legacy, plane = ms("legacy", value), ms("data plane", value)
         rows.append([name, f"{legacy:.1f}", f"{plane:.1f}", f"{plane - legacy:+.1f}"])
     return rows
+
+
+MODEL_CALLS = ("logprobs", "train")
+"""The phases whose records also hold the policy's time in the model (``model_<call>_s``)."""
 
 
 OTHER = "other"

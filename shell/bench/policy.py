@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -50,7 +50,7 @@ from shell.bench.report import Report
 from shell.column_io import first_write
 from shell.loss import GRPOLoss
 from shell.policy import DEVICES, Policy, PolicyConfig, build_group
-from shell.policy_worker import COMPUTE_SECONDS
+from shell.policy_worker import slowest_compute
 from shell.step_rows import StepRows
 from shell.transport import DataPlaneTransport, LegacyTransport
 from shell.worker import dispatch_of
@@ -119,20 +119,6 @@ class MeteredGroup:
         """The model seconds of the calls since the last ``take`` or ``take_compute``: per call, its slowest rank's."""
         out, self.compute_s = self.compute_s, 0.0
         return out
-
-
-def slowest_compute(results: Sequence[Mapping[str, Any]]) -> float:
-    """The model seconds of a ``logprobs`` or ``train`` call: its slowest rank's ``compute_s``, which the call's wall
-    time cannot go below whatever moves its rows.
-
-    Raises:
-        KeyError: a rank's result holds no ``compute_s``.
-
-    Example:
-        >>> slowest_compute([{"compute_s": 1.5}, {"compute_s": 2.0}])
-        2.0
-    """
-    return max(float(result[COMPUTE_SECONDS]) for result in results)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._group, name)

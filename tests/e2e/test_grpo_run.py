@@ -93,6 +93,16 @@ def test_run_paths_agree_bitwise(runs: dict[str, Any]) -> None:
     assert any(r["kl"] != 0 for r in plane[1:]), "the reference pass must run (kl_coef > 0)"
 
 
+def test_run_records_the_policys_model_seconds_within_their_phases(runs: dict[str, Any]) -> None:
+    """Each step's ``model_logprobs_s`` and ``model_train_s`` (the slowest rank's time in the model) are positive and
+    inside their phases, ``phase_logprobs_s`` and ``phase_train_s``, on both paths."""
+    for name, run in runs.items():
+        for record in run["records"]:
+            for call in ("logprobs", "train"):
+                model, phase = record[f"model_{call}_s"], record[f"phase_{call}_s"]
+                assert 0.0 < model < phase, f"{name} step {record['step']}: {call} model {model} s, phase {phase} s"
+
+
 def test_run_records_policy_entropy_within_bounds(runs: dict[str, Any]) -> None:
     """Each step's ``entropy`` is finite and in [0, log V], V the task's vocabulary (the ids sampling may draw)."""
     bound = math.log(AdditionTask().tokenizer.vocab_size)

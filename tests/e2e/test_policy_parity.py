@@ -18,6 +18,7 @@ Per layout and batching mode (none, packing, dynamic batching):
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections import Counter
@@ -280,8 +281,8 @@ def test_each_call_reports_its_slowest_ranks_model_seconds_within_its_wall_time(
     group: WorkerGroup, client: DataPlaneClient
 ) -> None:
     """Every rank's log-prob and train result holds ``compute_s`` (else the meter raises ``KeyError``), and a call's
-    slowest rank's (what ``shell.bench policy`` reports as its model time) is positive and below the call's wall
-    time, on both transports."""
+    slowest rank's (what ``shell.bench policy`` reports as its model time, and ``Policy.model_seconds`` holds) is
+    positive and below the call's wall time, on both transports."""
     config = _config(_layout(group), "none")
     data = _batch(seed=31)
     metered = MeteredGroup(group)
@@ -290,11 +291,11 @@ def test_each_call_reports_its_slowest_ranks_model_seconds_within_its_wall_time(
     plane, rows = _plane(group, client, config, _write(client, data))
     plane = Policy(config, plane.transport, group=metered)  # type: ignore[arg-type]
     try:
-        for call in (
-            lambda: legacy.logprobs(legacy_rows, reference=True),
-            lambda: legacy.train(legacy.logprobs(legacy_rows, reference=True), LOSS),
-            lambda: plane.logprobs(rows, reference=True),
-            lambda: plane.train(plane.logprobs(rows, reference=True), LOSS),
+        for policy, call, calls in (
+            (legacy, lambda: legacy.logprobs(legacy_rows, reference=True), {"logprobs"}),
+            (legacy, lambda: legacy.train(legacy.logprobs(legacy_rows, reference=True), LOSS), {"logprobs", "train"}),
+            (plane, lambda: plane.logprobs(rows, reference=True), {"logprobs"}),
+            (plane, lambda: plane.train(plane.logprobs(rows, reference=True), LOSS), {"logprobs", "train"}),
         ):
             group.call(PolicyWorker.reset)
             metered.take()
@@ -303,6 +304,8 @@ def test_each_call_reports_its_slowest_ranks_model_seconds_within_its_wall_time(
             wall = time.perf_counter() - start
             model = metered.take_compute()
             assert 0.0 < model < wall, (model, wall)
+            assert set(policy.model_seconds) == calls
+            assert math.isclose(sum(policy.model_seconds.values()), model, rel_tol=1e-9)
     finally:
         plane.transport.finish(rows)
     group.call(RecordingPolicyWorker.take_write_log)

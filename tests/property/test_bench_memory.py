@@ -167,6 +167,28 @@ def test_phase_rows_give_each_phase_both_paths_ms_and_the_data_planes_extra(
     assert rows[-1][1:] == [f"{step_legacy * 1e3:.1f}", f"{step_plane * 1e3:.1f}", f"{step_plane * 1e3 - step_legacy * 1e3:+.1f}"]
 
 
+@given(
+    phase=st.floats(0.01, 1.0),
+    model=st.floats(0.0, 1.0),
+    extra=st.floats(0.0, 0.05),
+)
+def test_phase_rows_give_each_calls_time_outside_the_model_when_every_record_has_it(
+    phase: float, model: float, extra: float
+) -> None:
+    """With ``model_<call>_s`` in every record, the table ends with ``<call> outside the model``: the phase's time
+    less the model's, per path, and the data plane's minus legacy's; a call some record lacks it for gets no row."""
+    model = model * phase
+    legacy = _phase_records({"logprobs": phase, "train": phase}, 3, 1.0)
+    plane = _phase_records({"logprobs": phase + extra, "train": phase}, 3, 1.0)
+    with_model = lambda records, calls: [{**r, **{f"model_{c}_s": model for c in calls}} for r in records]  # noqa: E731
+    rows = phase_rows(
+        {"legacy": [with_model(legacy, ["logprobs", "train"])], "data plane": [with_model(plane, ["logprobs"])]}, 0
+    )
+    assert [row[0] for row in rows] == ["logprobs", "train", "other", "step", "logprobs outside the model"]
+    outside_legacy, outside_plane = (phase - model) * 1e3, (phase + extra - model) * 1e3
+    assert rows[-1][1:] == [f"{outside_legacy:.1f}", f"{outside_plane:.1f}", f"{outside_plane - outside_legacy:+.1f}"]
+
+
 def test_phase_rows_need_steps_after_the_warm_up() -> None:
     records = _phase_records({"train": 0.1}, 2, 1.0)
     with pytest.raises(ValueError, match="must have a step after the 2 warm-up steps"):

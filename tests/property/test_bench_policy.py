@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shell.bench.policy import PolicyBenchConfig, describe_ranks, describe_workload, policy_config, slowest_compute, workload
+from shell.bench.policy import PolicyBenchConfig, describe_ranks, describe_workload, policy_config, workload
+from shell.policy_worker import slowest_compute
 
 
 @settings(max_examples=25, deadline=None)
