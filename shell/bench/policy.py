@@ -26,14 +26,17 @@ Model time is, per call, what its slowest rank spent in the model
 steps), which no transport can take off the call. Its share of the legacy
 call (the ``floor``) is the ratio data plane / legacy that a transport
 costing nothing would reach: a goal below the floor is out of any
-transport's reach on that machine.
+transport's reach on that machine. The time outside the model (wall less
+model time, per call) is what the transport and the call's dispatch take;
+its ratio data plane / legacy, paired per repeat, compares the two
+transports free of the model's own time, which moves more than they do.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -180,25 +183,75 @@ def describe_ranks(cfg: PolicyBenchConfig) -> str:
     return f"DP={cfg.dp}" if cfg.device == "cpu" else f"DP={cfg.dp} on {cfg.device}"
 
 
+PATHS = ("legacy", "data plane")
+"""The bench's two transports, as :func:`summarize` and the table name them."""
+
+
 @attrs.frozen
 class Measured:
-    """One path of one call: the median wall seconds and model seconds (:func:`slowest_compute`) of the timed
-    calls, and the bytes one call sent and received through the driver."""
+    """One path of one call: the median wall seconds, model seconds (:func:`slowest_compute`) and seconds outside
+    the model (wall less model, per call) of the timed calls, and the bytes one call sent and received through the
+    driver."""
 
     wall_s: float
     compute_s: float
+    outside_s: float
     sent: int
     received: int
 
 
 @attrs.frozen
 class Paired:
-    """The paired repeats of one call: per repeat, the data plane's wall time over legacy's (``ratios``), and the
+    """The paired repeats of one call: per repeat, the data plane's wall time over legacy's (``ratios``); the
     share of legacy's call that its slowest rank spent in the model (``floors``): the ratio a transport that cost
-    nothing, and added no dispatch, would reach against it."""
+    nothing, and added no dispatch, would reach against it; and the data plane's time outside the model over
+    legacy's (``outside_ratios``): what one transport costs a call against the other, free of the model's own
+    time, which moves more than that from call to call."""
 
     ratios: tuple[float, ...]
     floors: tuple[float, ...]
+    outside_ratios: tuple[float, ...]
+
+
+def summarize(
+    times: Mapping[str, Sequence[float]],
+    computes: Mapping[str, Sequence[float]],
+    bytes_of: Mapping[str, tuple[int, int]],
+) -> tuple[dict[str, Measured], Paired]:
+    """Per path its :class:`Measured`, and the :class:`Paired` repeats, from each repeat's wall and model seconds
+    (``times``, ``computes``: path -> one value per repeat, repeat ``i`` of both paths run back to back) and the
+    bytes one call sent and received (``bytes_of``). Paths are ``"legacy"`` and ``"data plane"``.
+
+    Raises:
+        ValueError: the paths' repeats differ in number, or a call's model time exceeds its wall time (the model
+            runs inside the call, so that is a measuring error).
+    """
+    counts = {f"{name} {kind}": len(source[name]) for name in PATHS for kind, source in (("wall", times), ("model", computes))}
+    if len(set(counts.values())) != 1 or 0 in counts.values():
+        raise ValueError(f"every path needs one wall and one model time per repeat, as many for each: got {counts}")
+    for name in PATHS:
+        for repeat, (wall, model) in enumerate(zip(times[name], computes[name])):
+            if model > wall:
+                raise ValueError(
+                    f"model time must be within the call's wall time: got {name!r} repeat {repeat} model {model:.6f} s, "
+                    f"wall {wall:.6f} s"
+                )
+    outside = {name: [w - c for w, c in zip(times[name], computes[name])] for name in PATHS}
+    measured = {
+        name: Measured(
+            statistics.median(times[name]), statistics.median(computes[name]), statistics.median(outside[name]),
+            *bytes_of[name],
+        )
+        for name in PATHS
+    }
+    paired = Paired(
+        ratios=tuple(d / legacy for legacy, d in zip(times["legacy"], times["data plane"])),
+        floors=tuple(c / legacy for legacy, c in zip(times["legacy"], computes["legacy"])),
+        outside_ratios=tuple(
+            d / max(legacy, 1e-9) for legacy, d in zip(outside["legacy"], outside["data plane"])
+        ),
+    )
+    return measured, paired
 
 
 def _measure(calls: dict[str, Callable[[], Any]], metered: MeteredGroup, repeats: int) -> tuple[dict[str, Measured], Paired]:
@@ -219,15 +272,7 @@ def _measure(calls: dict[str, Callable[[], Any]], metered: MeteredGroup, repeats
             times[name].append(time.perf_counter() - start)
             computes[name].append(metered.take_compute())
     metered.take()
-    measured = {
-        name: Measured(statistics.median(times[name]), statistics.median(computes[name]), *bytes_of[name])
-        for name in calls
-    }
-    paired = Paired(
-        ratios=tuple(d / legacy for legacy, d in zip(times["legacy"], times["data plane"])),
-        floors=tuple(c / legacy for legacy, c in zip(times["legacy"], computes["legacy"])),
-    )
-    return measured, paired
+    return summarize(times, computes, bytes_of)
 
 
 def _spread(values: Sequence[float], digits: int = 2) -> str:
@@ -292,21 +337,22 @@ def run(cfg: PolicyBenchConfig, report: Report) -> None:
         for name, m in paths.items():
             table.append([
                 call, name, f"{m.sent:,}", f"{m.received:,}", f"{m.sent + m.received:,}", f"{m.wall_s * 1e3:.1f}",
-                f"{m.compute_s * 1e3:.1f}",
+                f"{m.compute_s * 1e3:.1f}", f"{m.outside_s * 1e3:.1f}",
             ])
         fewer = 1.0 - (plane_path.sent + plane_path.received) / (legacy_path.sent + legacy_path.received)
         paired = ratios[call]
         table.append([
             call, "data plane / legacy (paired)", f"{plane_path.sent / legacy_path.sent:.3f}",
             f"{plane_path.received / legacy_path.received:.3f}", f"{fewer:.1%} fewer", _spread(paired.ratios),
-            f"floor {_spread(paired.floors, 3)}",
+            f"floor {_spread(paired.floors, 3)}", _spread(paired.outside_ratios),
         ])
     report.table(
         f"Driver bytes and wall time per call ({describe_workload(cfg)}, {describe_ranks(cfg)}; time: median of {cfg.repeats} calls, "
         f"ratio: median and range of {cfg.repeats} paired repeats, order alternated; model: the slowest rank's "
         f"time in the model; floor: legacy's model time over its wall time, the ratio a transport that cost nothing "
-        f"would reach)",
-        ["call", "path", "bytes sent", "bytes returned", "bytes total", "wall ms", "model ms"],
+        f"would reach; outside the model: wall less model time per call, the time the transport and the dispatch "
+        f"take, and its ratio paired per repeat)",
+        ["call", "path", "bytes sent", "bytes returned", "bytes total", "wall ms", "model ms", "outside the model ms"],
         table,
     )
     report.advance()

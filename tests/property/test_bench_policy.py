@@ -1,5 +1,6 @@
-"""Laws of the policy bench's workload (pure in its config, rows within their bounds, the mask inside each row) and of
-its config (every config it accepts builds a policy; what cannot run is refused naming the field)."""
+"""Laws of the policy bench's workload (pure in its config, rows within their bounds, the mask inside each row), of
+its config (every config it accepts builds a policy; what cannot run is refused naming the field), and of its
+summary of the timed repeats (each ratio paired within its repeat; the time outside the model is wall less model)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shell.bench.policy import PolicyBenchConfig, describe_ranks, describe_workload, policy_config, workload
+from shell.bench.policy import PolicyBenchConfig, describe_ranks, describe_workload, policy_config, summarize, workload
 from shell.policy_worker import slowest_compute
 
 
@@ -148,3 +149,54 @@ def test_a_calls_model_time_is_its_slowest_ranks(seconds: list[float]) -> None:
 def test_a_result_without_model_time_is_refused_naming_the_key() -> None:
     with pytest.raises(KeyError, match="compute_s"):
         slowest_compute([{"compute_s": 1.0}, {"rank": 1}])
+
+
+_repeat = st.tuples(st.floats(1e-3, 1e3), st.floats(0.0, 1.0), st.floats(1e-3, 1e3), st.floats(0.0, 1.0)).filter(
+    lambda r: r[0] * (1 - r[1]) > 1e-6  # legacy spends some time outside the model
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(repeats=st.lists(_repeat, min_size=1, max_size=9))
+def test_summary_pairs_each_repeat_and_takes_the_model_out_of_the_wall_time(
+    repeats: list[tuple[float, float, float, float]],
+) -> None:
+    """Law: per repeat i, ratio = data plane wall / legacy wall, floor = legacy model / legacy wall, and the ratio
+    outside the model = (data plane wall - model) / (legacy wall - model); each path's ``outside_s`` is the median
+    of its calls' wall less model time, and its bytes are what it was given."""
+    import statistics
+
+    times = {"legacy": [w for w, _, _, _ in repeats], "data plane": [w for _, _, w, _ in repeats]}
+    computes = {"legacy": [w * s for w, s, _, _ in repeats], "data plane": [w * s for _, _, w, s in repeats]}
+    measured, paired = summarize(times, computes, {"legacy": (10, 20), "data plane": (1, 2)})
+    outside = {name: [w - c for w, c in zip(times[name], computes[name])] for name in times}
+    for name in times:
+        assert measured[name].wall_s == statistics.median(times[name])
+        assert measured[name].compute_s == statistics.median(computes[name])
+        assert measured[name].outside_s == pytest.approx(statistics.median(outside[name]))
+    assert (measured["legacy"].sent, measured["legacy"].received) == (10, 20)
+    assert (measured["data plane"].sent, measured["data plane"].received) == (1, 2)
+    assert len(paired.ratios) == len(paired.floors) == len(paired.outside_ratios) == len(repeats)
+    for i in range(len(repeats)):
+        assert paired.ratios[i] == pytest.approx(times["data plane"][i] / times["legacy"][i])
+        assert paired.floors[i] == pytest.approx(computes["legacy"][i] / times["legacy"][i])
+        assert 0.0 <= paired.floors[i] <= 1.0
+        assert paired.outside_ratios[i] == pytest.approx(outside["data plane"][i] / outside["legacy"][i])
+
+
+@pytest.mark.parametrize(
+    ("times", "computes", "match"),
+    [
+        ({"legacy": [1.0, 1.0], "data plane": [1.0]}, {"legacy": [0.5, 0.5], "data plane": [0.5]},
+         r"one wall and one model time per repeat, as many for each: got \{'legacy wall': 2, 'legacy model': 2, "
+         r"'data plane wall': 1, 'data plane model': 1\}"),
+        ({"legacy": [], "data plane": []}, {"legacy": [], "data plane": []}, r"as many for each: got .*'legacy wall': 0"),
+        ({"legacy": [1.0], "data plane": [1.0]}, {"legacy": [0.5], "data plane": [1.5]},
+         r"model time must be within the call's wall time: got 'data plane' repeat 0 model 1.500000 s, wall 1.000000 s"),
+    ],
+)
+def test_summary_refuses_unpaired_repeats_and_a_model_time_beyond_its_call(
+    times: dict[str, list[float]], computes: dict[str, list[float]], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        summarize(times, computes, {"legacy": (1, 1), "data plane": (1, 1)})
