@@ -1,0 +1,70 @@
+"""Laws of ``dev.py wheelhouse``'s wheel trimming: a trimmed wheel holds every other member byte for byte, and its
+RECORD names exactly the members left; a wheel with nothing to trim is left as it was."""
+
+from __future__ import annotations
+
+import importlib.util
+import zipfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+_spec = importlib.util.spec_from_file_location("dev", Path(__file__).resolve().parents[2] / "dev.py")
+assert _spec is not None and _spec.loader is not None
+dev = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(dev)
+
+RECORD = "pkg-1.0.dist-info/RECORD"
+_part = st.text("abcxyz_", min_size=1, max_size=4)
+_member = st.tuples(st.sampled_from(["pkg/jars/", "pkg/ui/build/", "pkg/", "pkg/ui/"]), _part).map("".join)
+
+
+def _wheel(path: Path, members: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+        z.writestr(RECORD, "".join(f"{name},sha256=x,{len(data)}\n" for name, data in members.items()) + f"{RECORD},,\n")
+    return path
+
+
+def _read(path: Path) -> dict[str, bytes]:
+    with zipfile.ZipFile(path) as z:
+        return {name: z.read(name) for name in z.namelist()}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(members=st.dictionaries(_member, st.binary(max_size=64), min_size=1, max_size=12))
+def test_trimming_drops_exactly_the_prefixed_members_and_their_record_lines(
+    tmp_path: Path, members: dict[str, bytes]
+) -> None:
+    prefixes = ("pkg/jars/", "pkg/ui/build/")
+    wheel = _wheel(tmp_path / "pkg-1.0-py3-none-any.whl", members)
+    before = wheel.read_bytes()
+    dropped = dev.trim_wheel(wheel, prefixes)
+    kept = {name: data for name, data in members.items() if not name.startswith(prefixes)}
+    assert dropped == len(members) - len(kept)
+    if not dropped:
+        assert wheel.read_bytes() == before
+        return
+    after = _read(wheel)
+    record = after.pop(RECORD).decode().splitlines()
+    assert after == kept
+    assert [line.split(",")[0] for line in record] == [*kept, RECORD]
+    assert list(tmp_path.iterdir()) == [wheel]  # no temporary file left beside it
+
+
+def test_a_zip_without_one_top_level_record_is_refused_naming_the_count(tmp_path: Path) -> None:
+    path = tmp_path / "not-a-wheel.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("pkg/jars/a", b"x")
+    with pytest.raises(ValueError, match=r"one top-level \*\.dist-info/RECORD: got 0"):
+        dev.trim_wheel(path, ("pkg/jars/",))
+
+
+def test_wheelhouse_without_a_directory_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        dev.main(["wheelhouse"])
+    assert exit_.value.code == 2
+    assert "the following arguments are required: dir" in capsys.readouterr().err
