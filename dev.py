@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,6 +128,31 @@ def pinned(distributions: tuple[str, ...], python: Path) -> list[str]:
     return specs
 
 
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def wheels_of(specs: list[str], target: Path) -> list[Path]:
+    """The wheel in ``target`` of each ``name==version`` of ``specs``, in their order.
+
+    Raises:
+        ValueError: a distribution has no wheel of its version there, or ``target`` also holds a wheel of another
+            version of it (an install of the folder would refuse the two).
+    """
+    found = []
+    for spec in specs:
+        name, version = spec.split("==")
+        mine = [w for w in sorted(target.glob("*.whl")) if _normalized(w.name.split("-")[0]) == _normalized(name)]
+        versions = {w.name.split("-")[1] for w in mine}
+        if versions != {version}:
+            raise ValueError(
+                f"{target} must hold wheels of {name} {version} only: got versions {sorted(versions)} "
+                f"({', '.join(w.name for w in mine) or 'none'})"
+            )
+        found.extend(mine)
+    return found
+
+
 def wheelhouse(target: Path, *, python_version: str = "3.12", trim_ray: bool = False) -> list[Path]:
     """Download :data:`OFFLINE_DISTRIBUTIONS` at ``.venv``'s versions as wheels for CPython ``python_version`` on
     x86-64 Linux into ``target`` (no dependencies: the list is the closure a PyTorch image lacks); a distribution
@@ -136,8 +162,9 @@ def wheelhouse(target: Path, *, python_version: str = "3.12", trim_ray: bool = F
     specs = pinned(OFFLINE_DISTRIBUTIONS, ensure_env())
     target.mkdir(parents=True, exist_ok=True)
     platforms = [arg for tag in MANYLINUX for arg in ("--platform", tag)]
-    for spec in specs:
+    for done, spec in enumerate(specs, 1):
         name = spec.split("==")[0]
+        print(f"[dev] {done}/{len(specs)} {spec}", flush=True)
         got = subprocess.run(
             [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
              python_version, "--implementation", "cp", *platforms, "--platform", "any", "-d", str(target), spec],
@@ -145,8 +172,14 @@ def wheelhouse(target: Path, *, python_version: str = "3.12", trim_ray: bool = F
         )
         if got.returncode:  # no wheel for that platform: a pure-Python source distribution, built here
             print(f"[dev] {name}: no wheel for CPython {python_version} on x86-64 Linux; building one", flush=True)
-            subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(target), spec], check=True)
-    wheels = sorted(target.glob("*.whl"))
+            built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(target), spec],
+                                   capture_output=True, text=True)
+            if built.returncode:
+                raise RuntimeError(
+                    f"{spec}: neither a wheel for CPython {python_version} on x86-64 Linux nor a build of one; pip "
+                    f"download said: {got.stderr.strip()[-500:]}; pip wheel said: {built.stderr.strip()[-500:]}"
+                )
+    wheels = wheels_of(specs, target)
     if trim_ray:
         for wheel in wheels:
             if wheel.name.startswith("ray-"):

@@ -1,5 +1,6 @@
-"""Laws of ``dev.py wheelhouse``'s wheel trimming: a trimmed wheel holds every other member byte for byte, and its
-RECORD names exactly the members left; a wheel with nothing to trim is left as it was."""
+"""Laws of ``dev.py wheelhouse``: a trimmed wheel holds every other member byte for byte, and its RECORD names
+exactly the members left (a wheel with nothing to trim is left as it was); the wheelhouse holds one version of
+each pinned distribution, or is refused."""
 
 from __future__ import annotations
 
@@ -68,3 +69,17 @@ def test_wheelhouse_without_a_directory_is_a_usage_error(capsys: pytest.CaptureF
         dev.main(["wheelhouse"])
     assert exit_.value.code == 2
     assert "the following arguments are required: dir" in capsys.readouterr().err
+
+
+def test_the_wheelhouse_holds_each_pinned_version_once_or_is_refused_naming_what_it_holds(tmp_path: Path) -> None:
+    """Each ``name==version`` maps to its wheels (names compared as pip normalizes them: ``-``, ``_`` and ``.`` alike,
+    any case); a missing version, or a second version beside it, is refused naming the distribution and the files."""
+    for name in ("rpds_py-2026.9.1-cp312-cp312-manylinux2014_x86_64.whl", "TransferQueue-0.1.11-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(b"")
+    found = dev.wheels_of(["transferqueue==0.1.11", "rpds-py==2026.9.1"], tmp_path)
+    assert [w.name.split("-")[0] for w in found] == ["TransferQueue", "rpds_py"]
+    with pytest.raises(ValueError, match=r"wheels of ray 2.60.0 only: got versions \[\] \(none\)"):
+        dev.wheels_of(["ray==2.60.0"], tmp_path)
+    (tmp_path / "rpds_py-2025.1.0-cp312-cp312-manylinux2014_x86_64.whl").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"wheels of rpds-py 2026.9.1 only: got versions \['2025.1.0', '2026.9.1'\]"):
+        dev.wheels_of(["rpds-py==2026.9.1"], tmp_path)
