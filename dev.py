@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Project entry commands: ``python3 dev.py run`` and ``python3 dev.py test``.
+"""Project entry commands: ``python3 dev.py run``, ``test``, ``setup`` and ``wheelhouse``.
 
 Both create the virtual environment at ``.venv/`` when it is missing (or when
 ``pyproject.toml`` changed since the last install), then run the main job or
@@ -62,8 +62,10 @@ OFFLINE_DISTRIBUTIONS = (
     "ray", "TransferQueue", "tensordict", "megatron-core", "omegaconf", "antlr4-python3-runtime", "hydra-core",
     "msgspec", "pyzmq", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py", "pyvers",
 )
-"""What a PyTorch GPU image lacks of the project's dependencies (it has torch, numpy, attrs, rich, xxhash, psutil,
-matplotlib, pytest and hypothesis): :func:`wheelhouse` fetches these, at ``.venv``'s versions."""
+"""What a PyTorch GPU image lacks of the project's dependencies: :func:`wheelhouse` fetches these, at ``.venv``'s
+versions. The image has the rest: torch, numpy, attrs, rich, xxhash, psutil, matplotlib, pytest and hypothesis, and
+what these distributions need beyond one another (click, msgpack, protobuf, cloudpickle, prometheus_client, PyYAML,
+requests, filelock)."""
 
 RAY_TRIMMED = ("ray/jars/", "ray/dashboard/client/build/")
 """What ``--trim-ray`` drops from Ray's wheel (Java workers and the dashboard's web pages, which this project never
@@ -77,14 +79,17 @@ def trim_wheel(wheel: Path, prefixes: tuple[str, ...]) -> int:
     """Rewrite ``wheel`` without its members under ``prefixes`` and their ``RECORD`` lines; return how many
     members it dropped. A wheel with none of them is left as it was.
 
+    The members kept keep their metadata (modes, times), and the file its mode. Nothing is left beside
+    ``wheel`` when the rewrite fails, and ``wheel`` is then as it was.
+
     Raises:
-        ValueError: ``wheel`` is not a wheel (no ``*.dist-info/RECORD``).
+        ValueError: ``wheel`` is not a wheel (not exactly one top-level ``*.dist-info/RECORD``).
     """
     with zipfile.ZipFile(wheel) as src:
         names = src.namelist()
         records = [n for n in names if n.endswith(".dist-info/RECORD") and n.count("/") == 1]
         if len(records) != 1:
-            raise ValueError(f"'wheel' must hold one top-level *.dist-info/RECORD: got {len(records)} in {wheel}")
+            raise ValueError(f"'wheel' must hold exactly one top-level *.dist-info/RECORD: got {len(records)} in {wheel}")
         dropped = [n for n in names if n.startswith(prefixes)]
         if not dropped:
             return 0
@@ -101,10 +106,11 @@ def trim_wheel(wheel: Path, prefixes: tuple[str, ...]) -> int:
                         continue
                     data = "".join(kept_lines).encode() if info.filename == records[0] else src.read(info)
                     out.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+            os.chmod(out_path, wheel.stat().st_mode)
+            out_path.replace(wheel)
         except BaseException:
             out_path.unlink(missing_ok=True)
             raise
-    out_path.replace(wheel)
     return len(dropped)
 
 
@@ -179,11 +185,20 @@ def wheelhouse(target: Path, *, python_version: str = "3.12", trim_ray: bool = F
                     f"{spec}: neither a wheel for CPython {python_version} on x86-64 Linux nor a build of one; pip "
                     f"download said: {got.stderr.strip()[-500:]}; pip wheel said: {built.stderr.strip()[-500:]}"
                 )
+            # A build here is for this Python and machine: only a pure-Python wheel serves another.
+            for wheel in wheels_of([spec], target):
+                if not wheel.name.endswith("-none-any.whl"):
+                    wheel.unlink()
+                    raise RuntimeError(
+                        f"{spec}: no wheel for CPython {python_version} on x86-64 Linux, and its build here is not "
+                        f"pure Python ({wheel.name}); pip download said: {got.stderr.strip()[-500:]}"
+                    )
     wheels = wheels_of(specs, target)
     if trim_ray:
         for wheel in wheels:
             if wheel.name.startswith("ray-"):
-                print(f"[dev] {wheel.name}: dropped {trim_wheel(wheel, RAY_TRIMMED)} files of {', '.join(RAY_TRIMMED)}")
+                print(f"[dev] {wheel.name}: dropped {trim_wheel(wheel, RAY_TRIMMED)} files of {', '.join(RAY_TRIMMED)}",
+                      flush=True)
     total = sum(w.stat().st_size for w in wheels)
     print(f"[dev] {len(wheels)} wheels, {total / 2**20:.1f} MiB, in {target}", flush=True)
     return wheels

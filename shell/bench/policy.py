@@ -34,6 +34,7 @@ transports free of the model's own time, which moves more than they do.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -222,13 +223,21 @@ def summarize(
     (``times``, ``computes``: path -> one value per repeat, repeat ``i`` of both paths run back to back) and the
     bytes one call sent and received (``bytes_of``). Paths are ``"legacy"`` and ``"data plane"``.
 
+    A repeat whose legacy call spent no time outside the model (model time equal to its wall time) has an
+    outside ratio of ``inf``, or ``nan`` when the data plane's spent none either.
+
     Raises:
-        ValueError: the paths' repeats differ in number, or a call's model time exceeds its wall time (the model
-            runs inside the call, so that is a measuring error).
+        ValueError: there is no repeat, the paths' repeats differ in number, or a call's model time exceeds its
+            wall time (the model runs inside the call, so that is a measuring error).
     """
-    counts = {f"{name} {kind}": len(source[name]) for name in PATHS for kind, source in (("wall", times), ("model", computes))}
+    counts = {
+        f"{name} {kind}": len(source[name]) for name in PATHS for kind, source in (("wall", times), ("model", computes))
+    }
     if len(set(counts.values())) != 1 or 0 in counts.values():
-        raise ValueError(f"every path needs one wall and one model time per repeat, as many for each: got {counts}")
+        raise ValueError(
+            f"every path needs one wall and one model time per repeat, at least one repeat and as many for each: "
+            f"got {counts}"
+        )
     for name in PATHS:
         for repeat, (wall, model) in enumerate(zip(times[name], computes[name])):
             if model > wall:
@@ -248,7 +257,8 @@ def summarize(
         ratios=tuple(d / legacy for legacy, d in zip(times["legacy"], times["data plane"])),
         floors=tuple(c / legacy for legacy, c in zip(times["legacy"], computes["legacy"])),
         outside_ratios=tuple(
-            d / max(legacy, 1e-9) for legacy, d in zip(outside["legacy"], outside["data plane"])
+            d / legacy if legacy > 0 else (math.inf if d > 0 else math.nan)
+            for legacy, d in zip(outside["legacy"], outside["data plane"])
         ),
     )
     return measured, paired

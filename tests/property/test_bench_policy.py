@@ -4,6 +4,9 @@ summary of the timed repeats (each ratio paired within its repeat; the time outs
 
 from __future__ import annotations
 
+import math
+import statistics
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -158,14 +161,12 @@ _repeat = st.tuples(st.floats(1e-3, 1e3), st.floats(0.0, 1.0), st.floats(1e-3, 1
 
 @settings(max_examples=100, deadline=None)
 @given(repeats=st.lists(_repeat, min_size=1, max_size=9))
-def test_summary_pairs_each_repeat_and_takes_the_model_out_of_the_wall_time(
+def test_summarize_pairs_each_repeat_and_takes_the_model_out_of_the_wall_time(
     repeats: list[tuple[float, float, float, float]],
 ) -> None:
     """Law: per repeat i, ratio = data plane wall / legacy wall, floor = legacy model / legacy wall, and the ratio
     outside the model = (data plane wall - model) / (legacy wall - model); each path's ``outside_s`` is the median
     of its calls' wall less model time, and its bytes are what it was given."""
-    import statistics
-
     times = {"legacy": [w for w, _, _, _ in repeats], "data plane": [w for _, _, w, _ in repeats]}
     computes = {"legacy": [w * s for w, s, _, _ in repeats], "data plane": [w * s for _, _, w, s in repeats]}
     measured, paired = summarize(times, computes, {"legacy": (10, 20), "data plane": (1, 2)})
@@ -188,15 +189,26 @@ def test_summary_pairs_each_repeat_and_takes_the_model_out_of_the_wall_time(
     ("times", "computes", "match"),
     [
         ({"legacy": [1.0, 1.0], "data plane": [1.0]}, {"legacy": [0.5, 0.5], "data plane": [0.5]},
-         r"one wall and one model time per repeat, as many for each: got \{'legacy wall': 2, 'legacy model': 2, "
+         r"one wall and one model time per repeat, at least one repeat and as many for each: got \{'legacy wall': 2, 'legacy model': 2, "
          r"'data plane wall': 1, 'data plane model': 1\}"),
-        ({"legacy": [], "data plane": []}, {"legacy": [], "data plane": []}, r"as many for each: got .*'legacy wall': 0"),
+        ({"legacy": [], "data plane": []}, {"legacy": [], "data plane": []}, r"at least one repeat and as many for each: got .*'legacy wall': 0"),
         ({"legacy": [1.0], "data plane": [1.0]}, {"legacy": [0.5], "data plane": [1.5]},
          r"model time must be within the call's wall time: got 'data plane' repeat 0 model 1.500000 s, wall 1.000000 s"),
     ],
 )
-def test_summary_refuses_unpaired_repeats_and_a_model_time_beyond_its_call(
+def test_summarize_refuses_unpaired_repeats_and_a_model_time_beyond_its_call(
     times: dict[str, list[float]], computes: dict[str, list[float]], match: str
 ) -> None:
+    """No repeat, repeats that do not pair, or a model time beyond its call's wall time: refused naming the counts,
+    or the path, repeat and both times."""
     with pytest.raises(ValueError, match=match):
         summarize(times, computes, {"legacy": (1, 1), "data plane": (1, 1)})
+
+
+def test_summarize_gives_inf_or_nan_where_legacy_spent_no_time_outside_the_model() -> None:
+    """A legacy call all model (model time equal to its wall time) has no time outside the model to divide by."""
+    times = {"legacy": [1.0, 1.0], "data plane": [1.0, 1.0]}
+    computes = {"legacy": [1.0, 1.0], "data plane": [0.5, 1.0]}
+    _, paired = summarize(times, computes, {"legacy": (1, 1), "data plane": (1, 1)})
+    assert paired.outside_ratios[0] == math.inf
+    assert math.isnan(paired.outside_ratios[1])

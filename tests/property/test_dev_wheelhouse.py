@@ -22,26 +22,37 @@ _part = st.text("abcxyz_", min_size=1, max_size=4)
 _member = st.tuples(st.sampled_from(["pkg/jars/", "pkg/ui/build/", "pkg/", "pkg/ui/"]), _part).map("".join)
 
 
+EXECUTABLE = 0o755 << 16
+"""A member's ``external_attr`` for mode 0755: ``_wheel`` gives it to members whose name ends in ``x``."""
+
+
 def _wheel(path: Path, members: dict[str, bytes]) -> Path:
     with zipfile.ZipFile(path, "w") as z:
         for name, data in members.items():
-            z.writestr(name, data)
+            info = zipfile.ZipInfo(name, date_time=(2020, 1, 2, 3, 4, 6))
+            info.external_attr = EXECUTABLE if name.endswith("x") else 0o644 << 16
+            z.writestr(info, data)
         z.writestr(RECORD, "".join(f"{name},sha256=x,{len(data)}\n" for name, data in members.items()) + f"{RECORD},,\n")
     return path
 
 
-def _read(path: Path) -> dict[str, bytes]:
+def _read(path: Path) -> dict[str, tuple[bytes, int, tuple[int, ...]]]:
+    """Each member's bytes, external attributes (its mode) and time."""
     with zipfile.ZipFile(path) as z:
-        return {name: z.read(name) for name in z.namelist()}
+        return {i.filename: (z.read(i), i.external_attr, i.date_time) for i in z.infolist()}
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(members=st.dictionaries(_member, st.binary(max_size=64), min_size=1, max_size=12))
-def test_trimming_drops_exactly_the_prefixed_members_and_their_record_lines(
+def test_trim_wheel_drops_exactly_the_prefixed_members_and_their_record_lines(
     tmp_path: Path, members: dict[str, bytes]
 ) -> None:
+    """Law: the members under the prefixes and their RECORD lines go; every other member stays with its bytes,
+    mode and time, and the file keeps its mode."""
     prefixes = ("pkg/jars/", "pkg/ui/build/")
     wheel = _wheel(tmp_path / "pkg-1.0-py3-none-any.whl", members)
+    wheel.chmod(0o640)
+    original = _read(wheel)
     before = wheel.read_bytes()
     dropped = dev.trim_wheel(wheel, prefixes)
     kept = {name: data for name, data in members.items() if not name.startswith(prefixes)}
@@ -50,17 +61,34 @@ def test_trimming_drops_exactly_the_prefixed_members_and_their_record_lines(
         assert wheel.read_bytes() == before
         return
     after = _read(wheel)
-    record = after.pop(RECORD).decode().splitlines()
-    assert after == kept
+    record = after.pop(RECORD)[0].decode().splitlines()
+    assert after == {name: original[name] for name in kept}
+    assert wheel.stat().st_mode & 0o777 == 0o640
     assert [line.split(",")[0] for line in record] == [*kept, RECORD]
     assert list(tmp_path.iterdir()) == [wheel]  # no temporary file left beside it
 
 
-def test_a_zip_without_one_top_level_record_is_refused_naming_the_count(tmp_path: Path) -> None:
+def test_trim_wheel_that_fails_leaves_the_wheel_as_it_was_and_nothing_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wheel = _wheel(tmp_path / "pkg-1.0-py3-none-any.whl", {"pkg/jars/a": b"j", "pkg/b": b"b"})
+    before = wheel.read_bytes()
+
+    def fail(*_args: object, **_kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(zipfile.ZipFile, "writestr", fail)
+    with pytest.raises(OSError, match="disk full"):
+        dev.trim_wheel(wheel, ("pkg/jars/",))
+    assert list(tmp_path.iterdir()) == [wheel]
+    assert wheel.read_bytes() == before
+
+
+def test_trim_wheel_refuses_a_zip_without_exactly_one_top_level_record_naming_the_count(tmp_path: Path) -> None:
     path = tmp_path / "not-a-wheel.whl"
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("pkg/jars/a", b"x")
-    with pytest.raises(ValueError, match=r"one top-level \*\.dist-info/RECORD: got 0"):
+    with pytest.raises(ValueError, match=r"exactly one top-level \*\.dist-info/RECORD: got 0"):
         dev.trim_wheel(path, ("pkg/jars/",))
 
 
