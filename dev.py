@@ -161,7 +161,7 @@ def wheels_of(specs: list[str], target: Path) -> list[Path]:
 
 def wheelhouse(target: Path, *, python_version: str = "3.12", trim_ray: bool = False) -> list[Path]:
     """Download :data:`OFFLINE_DISTRIBUTIONS` at ``.venv``'s versions as wheels for CPython ``python_version`` on
-    x86-64 Linux into ``target`` (no dependencies: the list is the closure a PyTorch image lacks); a distribution
+    x86-64 Linux into ``target`` (without their dependencies, which the image has); a distribution
     published only as source is built into a wheel here. Returns the wheels. Install them on the other machine with
     ``python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl`` and ``PYTHONPATH=/tmp/site:$PWD``.
     """
