@@ -24,9 +24,11 @@ resource); TransferQueue's controller goes where Ray puts it.
   a row's length, so compute dominates at large N). Per N: the median step time of ``--repeats`` paired
   repeats (order alternated, after one warm-up pair), the median of the
   per-pair ratios data plane / legacy, the bytes through the driver (the
-  transport's count, and the TCP bytes of the driver's node: Ray moves a
+  transport's count; the TCP bytes of the driver's node: Ray moves a
   returned batch to the head's object store, and the driver reads it there
-  through shared memory), and the driver's
+  through shared memory; and the same without the sockets of the head's GCS
+  server, whose exchanges with the worker nodes' processes, such as their
+  task events, go on for as long as a step lasts, on either path), and the driver's
   peak RSS during the step (``VmHWM`` of ``/proc/self/status``, reset before
   each step through ``/proc/self/clear_refs``) with its growth over the RSS
   the step started from. Before each step the driver frees its garbage and
@@ -44,7 +46,7 @@ import os
 import statistics
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +212,22 @@ def _owners(cluster: Any, labels: Mapping[str, str], *, driver: str | None) -> d
     owners = {pid: labels[node] for node, pids in node_pids(cluster).items() for pid in pids}
     owners[os.getpid()] = driver or "head"
     return owners
+
+
+def leave_out(owners: Mapping[int, str], pids: Iterable[int]) -> dict[int, str]:
+    """``owners`` without ``pids``: :func:`shell.bench.traffic.node_traffic` then counts none of their sockets.
+
+    Example:
+        >>> leave_out({1: "head", 2: "head", 3: "worker 1"}, [2])
+        {1: 'head', 3: 'worker 1'}
+    """
+    gone = set(pids)
+    return {pid: label for pid, label in owners.items() if pid not in gone}
+
+
+def _gcs_pids(cluster: Any) -> set[int]:
+    """The pid of the head's GCS server (Ray's ``gcs_server`` process)."""
+    return {info.process.pid for info in cluster.head_node.all_processes.get("gcs_server", [])}
 
 
 def _spread(cfg: ScaleConfig) -> list[str]:
@@ -414,6 +432,7 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
         ).remote()
         with build_group(policy_config(cfg.rows[0]), client_factory=TransferQueueStore.attach) as group:
             owners = _owners(cluster, _labels(cluster), driver=None)  # the driver counts on the head node
+            quiet = leave_out(owners, _gcs_pids(cluster))  # and without the GCS server's sockets
             for n in cfg.rows:
                 transports = {
                     "legacy": LegacyTransport(),
@@ -422,7 +441,7 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
                 policies = {p: Policy(policy_config(n), t, group=group) for p, t in transports.items()}
                 advantages = torch.randn(n, generator=torch.Generator().manual_seed(cfg.seed))
 
-                def step(path: str, seed: int) -> tuple[float, int, int, float, float]:
+                def step(path: str, seed: int) -> tuple[float, int, int, float, float, int]:
                     policy, transport = policies[path], transports[path]
                     proc_memory.settle()
                     before = snapshot()
@@ -445,13 +464,15 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
                         moved = transport.finish(rows)
                     seconds = time.perf_counter() - start
                     peak = proc_memory.peak_resident_mib()
-                    traffic = node_traffic(before, snapshot(), owners).get("head", (0, 0))
-                    return seconds, moved.driver_bytes, traffic[0] + traffic[1], peak, peak - resident
+                    after = snapshot()
+                    node = node_traffic(before, after, owners).get("head", (0, 0))
+                    own = node_traffic(before, after, quiet).get("head", (0, 0))
+                    return seconds, moved.driver_bytes, node[0] + node[1], peak, peak - resident, own[0] + own[1]
 
                 for path in transports:  # warm-up pair
                     step(path, cfg.seed)
                 report.advance()
-                measured: dict[str, list[tuple[float, int, int, float, float]]] = {p: [] for p in transports}
+                measured: dict[str, list[tuple[float, int, int, float, float, int]]] = {p: [] for p in transports}
                 for r in range(cfg.repeats):
                     order = ("legacy", "data plane") if r % 2 == 0 else ("data plane", "legacy")
                     for path in order:
@@ -463,6 +484,7 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
                         "rows": n, "path": path, "step_s": lt if path == "legacy" else pt, "ratio": ratio,
                         "driver_bytes": statistics.median(m[1] for m in values),
                         "driver_node_bytes": statistics.median(m[2] for m in values),
+                        "driver_node_bytes_but_gcs": statistics.median(m[5] for m in values),
                         "peak_rss_mib": statistics.median(m[3] for m in values),
                         "rss_growth_mib": statistics.median(m[4] for m in values),
                     })
@@ -475,7 +497,8 @@ def sweep_table(cfg: ScaleConfig, results: Sequence[Mapping[str, Any]], report: 
     """The sweep's table (and its crossover line) into ``report``."""
     rows = [
         [f"{r['rows']:,}", r["path"], f"{r['step_s']:.3f}", f"{r['ratio']:.2f}x" if r["path"] == "data plane" else "1.00x",
-         f"{r['driver_bytes']:,.0f}", f"{r['driver_node_bytes']:,.0f}", f"{r['peak_rss_mib']:,.0f}",
+         f"{r['driver_bytes']:,.0f}", f"{r['driver_node_bytes']:,.0f}", f"{r['driver_node_bytes_but_gcs']:,.0f}",
+         f"{r['peak_rss_mib']:,.0f}",
          f"{r['rss_growth_mib']:,.1f}"]
         for r in results
     ]
@@ -484,8 +507,8 @@ def sweep_table(cfg: ScaleConfig, results: Sequence[Mapping[str, Any]], report: 
     report.table(
         f"Row sweep, DP=2, {cfg.nodes} node(s): lognormal lengths (median 700, <= {cfg.max_len}), one GRPO step "
         f"(median of {cfg.repeats} paired repeats; ratio: median of per-pair data plane / legacy). {crossover(ns, ratios)}",
-        ["rows N", "path", "step s", "vs legacy", "transport driver_bytes", "driver's node TCP bytes", "peak driver RSS MiB",
-         "driver RSS growth in the step MiB"],
+        ["rows N", "path", "step s", "vs legacy", "transport driver_bytes", "driver's node TCP bytes",
+         "the same but the GCS's", "peak driver RSS MiB", "driver RSS growth in the step MiB"],
         rows,
     )
 
@@ -511,6 +534,8 @@ def plot_sweep(results: Sequence[Mapping[str, Any]], path: str | Path, *, title:
             if log:
                 axes.plot(xs, [max(r["driver_node_bytes"], 1) for r in mine], "s--", color=f"C{index}",
                           label=f"{name} (driver's node, TCP)")
+                axes.plot(xs, [max(r["driver_node_bytes_but_gcs"], 1) for r in mine], "^:", color=f"C{index}",
+                          label=f"{name} (driver's node but its GCS, TCP)")
         axes.set_xscale("log", base=2)
         if log:
             axes.set_yscale("log")

@@ -10,7 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shell.bench.nodes import NodesConfig
-from shell.bench.scale import ScaleConfig, crossover, median_traffic, paired_summary, parse_rows, sweep_batch
+from shell.bench.scale import (
+    ScaleConfig, crossover, leave_out, median_traffic, paired_summary, parse_rows, sweep_batch, sweep_table,
+)
+from shell.bench.report import Report
 from shell.bench.traffic import SocketStat, node_traffic, parse_ss
 from tests.property.strategies import positive_times, socket_pairs
 
@@ -68,6 +71,42 @@ def test_node_traffic_ignores_a_node_talking_to_itself_and_unknown_pids() -> Non
     assert node_traffic([], [a, b], {1: "head", 2: "head"}) == {}
     assert node_traffic([], [a, b], {1: "head"}) == {}
     assert node_traffic([], [a, b], {1: "head", 2: "worker 1"}) == {"head": (50, 60), "worker 1": (60, 50)}
+
+
+def _connection(a: tuple[str, int], b: tuple[str, int], a_sent: int, b_sent: int) -> list[SocketStat]:
+    """Both ends of one TCP connection between address/pid ``a`` and ``b``, each having sent its bytes."""
+    return [SocketStat(a[0], b[0], (a[1],), a_sent, b_sent), SocketStat(b[0], a[0], (b[1],), b_sent, a_sent)]
+
+
+@given(st.lists(st.integers(0, 10**6), min_size=4, max_size=4))
+def test_leave_out_drops_exactly_the_left_out_processes_sockets(sizes: list[int]) -> None:
+    """Partition law: the head's bytes with its GCS left out are those of its other processes' connections to the
+    worker nodes; the GCS's own connection to a worker node makes up the rest of the node's bytes."""
+    to_worker, from_worker, gcs_to_worker, driver_to_gcs = sizes
+    owners = {10: "head", 11: "head", 20: "worker 1"}  # 10: the driver, 11: the head's GCS, 20: a rank
+    after = [
+        *_connection(("h:1", 10), ("w:1", 20), to_worker, from_worker),
+        *_connection(("h:2", 11), ("w:2", 20), gcs_to_worker, 0),
+        *_connection(("h:3", 10), ("h:4", 11), driver_to_gcs, 0),
+    ]
+    quiet = leave_out(owners, [11])
+    assert quiet == {10: "head", 20: "worker 1"} and owners[11] == "head"  # the input is not changed
+    assert node_traffic([], after, quiet).get("head", (0, 0)) == (to_worker, from_worker)
+    assert node_traffic([], after, owners).get("head", (0, 0)) == (to_worker + gcs_to_worker, from_worker)
+
+
+def test_sweep_table_gives_the_drivers_node_bytes_with_and_without_its_gcs(capsys: pytest.CaptureFixture[str]) -> None:
+    """One row per N and path, with the node's bytes without its GCS beside all of them, and the crossover line."""
+    report = Report(markdown=True)
+    result = {"step_s": 1.0, "ratio": 0.9, "driver_bytes": 4, "driver_node_bytes": 3000, "driver_node_bytes_but_gcs": 1200,
+              "peak_rss_mib": 400.0, "rss_growth_mib": 0.5}
+    results = [{**result, "rows": n, "path": path} for n in (256, 1024) for path in ("legacy", "data plane")]
+    sweep_table(ScaleConfig(rows=(256, 1024), repeats=3), results, report)
+    report.finish()
+    text = capsys.readouterr().out
+    assert "the same but the GCS's" in text and "median of 3 paired repeats" in text
+    assert text.count("| 3,000 | 1,200 |") == 4, text
+    assert "data plane faster at every N (already at N = 256)" in text
 
 
 @given(positive_times, st.data())
