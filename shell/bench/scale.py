@@ -217,17 +217,36 @@ def _owners(cluster: Any, labels: Mapping[str, str], *, driver: str | None) -> d
 def leave_out(owners: Mapping[int, str], pids: Iterable[int]) -> dict[int, str]:
     """``owners`` without ``pids``: :func:`shell.bench.traffic.node_traffic` then counts none of their sockets.
 
+    Raises ``ValueError`` when ``pids`` is empty or names a process ``owners`` does not hold: leaving out nothing
+    would make the "without" column silently equal the whole node's.
+
     Example:
         >>> leave_out({1: "head", 2: "head", 3: "worker 1"}, [2])
         {1: 'head', 3: 'worker 1'}
     """
     gone = set(pids)
+    if not gone:
+        raise ValueError("leave_out: pids is empty; expected at least one process to leave out")
+    unknown = sorted(gone - owners.keys())
+    if unknown:
+        raise ValueError(f"leave_out: pids {unknown} are not among the owners' processes {sorted(owners)}")
     return {pid: label for pid, label in owners.items() if pid not in gone}
 
 
-def _gcs_pids(cluster: Any) -> set[int]:
-    """The pid of the head's GCS server (Ray's ``gcs_server`` process)."""
-    return {info.process.pid for info in cluster.head_node.all_processes.get("gcs_server", [])}
+def server_pids(processes: Mapping[str, Sequence[Any]], name: str = "gcs_server") -> frozenset[int]:
+    """The pids of the processes a Ray node started under ``name`` (``Node.all_processes``: name -> ``ProcessInfo``s).
+
+    Raises ``ValueError`` naming the processes the node has when it has no live ``name`` process.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> server_pids({"gcs_server": [NS(process=NS(pid=7))], "raylet": [NS(process=NS(pid=8))]})
+        frozenset({7})
+    """
+    pids = frozenset(info.process.pid for info in processes.get(name, ()) if info.process is not None)
+    if not pids:
+        raise ValueError(f"the head node runs no {name!r} process; it runs {sorted(processes)}")
+    return pids
 
 
 def _spread(cfg: ScaleConfig) -> list[str]:
@@ -432,7 +451,7 @@ def measure_rows(cfg: ScaleConfig, cluster: Any, report: Report) -> list[dict[st
         ).remote()
         with build_group(policy_config(cfg.rows[0]), client_factory=TransferQueueStore.attach) as group:
             owners = _owners(cluster, _labels(cluster), driver=None)  # the driver counts on the head node
-            quiet = leave_out(owners, _gcs_pids(cluster))  # and without the GCS server's sockets
+            quiet = leave_out(owners, server_pids(cluster.head_node.all_processes))  # and without the GCS server's sockets
             for n in cfg.rows:
                 transports = {
                     "legacy": LegacyTransport(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from shell.bench.nodes import NodesConfig
 from shell.bench.scale import (
-    ScaleConfig, crossover, leave_out, median_traffic, paired_summary, parse_rows, sweep_batch, sweep_table,
+    ScaleConfig, crossover, leave_out, median_traffic, paired_summary, parse_rows, server_pids, sweep_batch, sweep_table,
 )
 from shell.bench.report import Report
 from shell.bench.traffic import SocketStat, node_traffic, parse_ss
@@ -93,6 +94,29 @@ def test_leave_out_drops_exactly_the_left_out_processes_sockets(sizes: list[int]
     assert quiet == {10: "head", 20: "worker 1"} and owners[11] == "head"  # the input is not changed
     assert node_traffic([], after, quiet).get("head", (0, 0)) == (to_worker, from_worker)
     assert node_traffic([], after, owners).get("head", (0, 0)) == (to_worker + gcs_to_worker, from_worker)
+
+
+def test_leave_out_refuses_to_leave_out_nothing_or_an_unknown_process() -> None:
+    """Leaving out no process, or one the owners do not hold, would make the "without" column silently the node's."""
+    owners = {10: "head", 11: "head"}
+    with pytest.raises(ValueError, match="pids is empty"):
+        leave_out(owners, [])
+    with pytest.raises(ValueError, match=r"pids \[12\] are not among the owners' processes \[10, 11\]"):
+        leave_out(owners, [11, 12])
+
+
+def test_server_pids_reads_the_named_processes_and_refuses_a_node_without_one() -> None:
+    """The GCS's pids come from the head's process table; a head without a live GCS process is an error naming what it runs."""
+    def info(pid: int | None) -> SimpleNamespace:
+        return SimpleNamespace(process=None if pid is None else SimpleNamespace(pid=pid))
+
+    table = {"gcs_server": [info(7), info(9)], "raylet": [info(8)]}
+    assert server_pids(table) == {7, 9}
+    assert server_pids(table, "raylet") == {8}
+    with pytest.raises(ValueError, match=r"no 'gcs_server' process; it runs \['raylet'\]"):
+        server_pids({"raylet": [info(8)]})
+    with pytest.raises(ValueError, match="no 'gcs_server' process"):
+        server_pids({"gcs_server": [info(None)]})
 
 
 def test_sweep_table_gives_the_drivers_node_bytes_with_and_without_its_gcs(capsys: pytest.CaptureFixture[str]) -> None:
