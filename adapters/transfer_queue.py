@@ -232,13 +232,26 @@ def _blocking_get(refs: Any) -> concurrent.futures.Future[Any]:
 # ---------------------------------------------------------------- stores
 
 
+def _within_one_deadline(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A :class:`TransferQueueStore` call whose waits share one deadline (:meth:`TransferQueueStore._one_deadline`)."""
+
+    @functools.wraps(method)
+    def call(self: TransferQueueStore, *args: Any, **kwargs: Any) -> Any:
+        with self._one_deadline():
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class TransferQueueStore(ProbedActors, StoreAdapter):
     """A :class:`adapters.store_port.DataPlaneClient` over TransferQueue; thread-safe.
 
     Build one with :meth:`start` (starts and owns TQ) or :meth:`attach` (joins a
     running TQ); the constructor only records the process's hold on TQ.
 
-    Every TQ call has a deadline and is watched (:mod:`adapters.store_health`): while it waits, the
+    Every TQ call has a deadline and is watched (:mod:`adapters.store_health`): its waits, on TQ's controller, on
+    the client's loop and on Ray, share one ``deadlines.call_s`` from the call's start (a put's clean-up after a
+    failure gets one of its own); while it waits, the
     controller and the storage units are probed every ``deadlines.probe_every_s``; a dead one fails the call
     with :class:`adapters.store_health.StoreFailure` naming it (``"TransferQueue storage unit 1 (pid 4242)
     died"``), and every later call fails at once with the same error.
@@ -272,6 +285,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         self._line: ControllerLine | None = None  # on the by-key backend: controller requests from the caller's thread
         self._closed = False
         self._lock = threading.Lock()
+        self._call_end = threading.local()  # .at: when the store call this thread is in must end (time.monotonic)
 
     def __repr__(self) -> str:
         role = "owner" if self._hold.owns_transfer_queue else "attached"
@@ -309,6 +323,29 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         """
         return cls(tq_system.attach(), parts=tq_system.parts(DEFAULT_DEADLINES.probe_timeout_s))
 
+    @contextlib.contextmanager
+    def _one_deadline(self, *, fresh: bool = False) -> Iterator[None]:
+        """The waits this thread makes inside share one deadline: ``call_s`` from entering the outermost (or, with
+        ``fresh``, from entering this one: a failed call's clean-up, which must not inherit a spent deadline)."""
+        outer = getattr(self._call_end, "at", None)
+        if outer is not None and not fresh:
+            yield
+            return
+        self._call_end.at = time.monotonic() + self._deadlines.call_s
+        try:
+            yield
+        finally:
+            self._call_end.at = outer
+
+    def _end(self) -> float:
+        """When this thread's store call must end: the :meth:`_one_deadline` it is in, else ``call_s`` from now."""
+        at = getattr(self._call_end, "at", None)
+        return time.monotonic() + self._deadlines.call_s if at is None else at
+
+    def _left(self, end: float) -> Deadlines:
+        """The store's deadlines with ``call_s`` what is left until ``end`` (at least a millisecond)."""
+        return attrs.evolve(self._deadlines, call_s=max(end - time.monotonic(), 1e-3))
+
     def _call(self, op: str, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any, **kwargs: Any) -> Any:
         """``function(*args, **kwargs)`` run on TQ's client loop, within the deadline, the parts probed while it waits.
 
@@ -329,7 +366,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
 
     def _result(self, op: str, future: concurrent.futures.Future[Any], deadlines: Deadlines | None = None) -> Any:
         """The result of a call :meth:`_submit` started (or of any future), within the deadline (``deadlines``, by
-        default the store's), the parts probed while it waits."""
+        default what is left of the store call's, :meth:`_end`), the parts probed while it waits."""
 
         def poll(timeout: float) -> tuple[bool, Any]:
             concurrent.futures.wait([future], timeout=timeout)
@@ -339,21 +376,21 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             poll,
             op=op,
             store=tq_system.STORE_NAME,
-            deadlines=self._deadlines if deadlines is None else deadlines,
+            deadlines=self._left(self._end()) if deadlines is None else deadlines,
             check=self.check_health,
             cancel=future.cancel,
         )
 
     def _ray_waiter(self, op: str) -> Callable[[Any], Any]:
         """``ray.get`` of object refs in the calling thread, for one store call: its waits share the call's one
-        deadline, and the store's parts are probed while they wait.
+        deadline (:meth:`_end`), and the store's parts are probed while they wait.
 
         A wait first polls ``ray.get`` for one probe interval. If that does not finish, the rest of the wait is one
         blocking ``ray.get`` in a thread of its own, which it polls: a ``ray.get`` that times out gives up Ray's
         transfer of an object from another node, so polling with timeouts would never finish a transfer longer
         than a probe interval. (If the call then fails, that thread's ``ray.get`` ends with the transfer.)
         """
-        end = time.monotonic() + self._deadlines.call_s
+        end = self._end()
 
         def left() -> float:
             return max(end - time.monotonic(), 1e-3)
@@ -363,14 +400,15 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
                 return ray.get(refs, timeout=min(self._deadlines.probe_every_s, left()))
             except ray.exceptions.GetTimeoutError:
                 pass
-            return self._result(op, _blocking_get(refs), attrs.evolve(self._deadlines, call_s=left()))
+            return self._result(op, _blocking_get(refs), self._left(end))
 
         return wait
 
     @contextlib.contextmanager
     def _exchange(self, op: str) -> Iterator[Exchange]:
         """The calling thread's line to TQ's controller for one call (:mod:`adapters.tq_controller_line`): the
-        waits for its replies share the call's one deadline, and the store's parts are probed while they wait.
+        waits for its replies share the call's one deadline (:meth:`_end`), and the store's parts are probed while
+        they wait.
 
         Raises:
             StoreFailure: a part was found dead earlier (nothing is sent).
@@ -383,14 +421,10 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
                 client = tq_system.client()
                 self._line = ControllerLine(client._controller, client.client_id)
             line = self._line
-        end = time.monotonic() + self._deadlines.call_s
+        end = self._end()
 
         def wait(poll: Callable[[float], tuple[bool, Any]]) -> Any:
-            left = max(end - time.monotonic(), 1e-3)
-            return wait_for(
-                poll, op=op, store=tq_system.STORE_NAME, deadlines=attrs.evolve(self._deadlines, call_s=left),
-                check=self.check_health,
-            )
+            return wait_for(poll, op=op, store=tq_system.STORE_NAME, deadlines=self._left(end), check=self.check_health)
 
         with line.exchange(wait) as exchange:
             yield exchange
@@ -406,6 +440,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         """Whether ``close()`` shuts TransferQueue down."""
         return self._hold.owns_transfer_queue
 
+    @_within_one_deadline
     def _put(self, keys, partition_id, fields, tags, sequence_lengths, reserved_tags, require_stored):
         """Check the put completely (the port's checks, then :func:`adapters.tq_wire.plan_put`), then write it (see
         :class:`adapters.store_port.StoreAdapter`); a TQ failure chains TQ's error and clears the keys it registered.
@@ -558,9 +593,10 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
     def _drop_new_keys(self, client: tq.TransferQueueClient, meta: tq.BatchMeta, fresh: Sequence[int]) -> None:
         """Drop the keys at positions ``fresh`` of ``meta``, which a failed put registered; never raises."""
         if fresh:
-            with contextlib.suppress(Exception):  # e.g. TQ's event loop is gone too, or a part died
+            with contextlib.suppress(Exception), self._one_deadline(fresh=True):  # e.g. TQ's loop is gone too, or a part died
                 self._call("put", _drop_registered, client, meta.select_samples(list(fresh)))
 
+    @_within_one_deadline
     def _get(
         self, keys: tuple[str, ...], partition_id: str, names: tuple[str, ...], tag_names: tuple[str, ...]
     ) -> tuple[TensorDict, Sequence[Mapping[str, Any]]]:
@@ -620,6 +656,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         if self._hold.storage_backend == tq_object_store.BACKEND:
             meta.extra_info[tq_object_store.OWNERS] = (partition_id, list(keys))
 
+    @_within_one_deadline
     def _clear(self, keys: tuple[str, ...], partition_id: str) -> None:
         """One TQ clear of the keys, after checking that all are stored (the controller's lookup); on Mooncake, one
         per field set; on :data:`adapters.tq_object_store.BACKEND`, :meth:`_drop_and_release`."""
@@ -646,8 +683,13 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         marks the rows as being cleared, so that its own consumers of new rows skip them, clears storage, and only
         then releases the indexes, so that no put can reuse an index before its rows are gone. Here the index drops
         only rows that the cleared keys still hold (:meth:`adapters.tq_object_store.RowIndex.clear_owned`), so a
-        put that reuses a released index keeps its rows whichever arrives first; and this adapter reads rows by
-        key, never as TQ's consumer of new rows. Both halves finish before either's error is raised."""
+        put of another key that reuses a released index keeps its rows whichever arrives first; and this adapter
+        reads rows by key, never as TQ's consumer of new rows. Both halves finish before either's error is raised.
+
+        Not covered: a put of one of the cleared keys that the controller registers after the release, at the same
+        global index, and whose rows reach the index before the drop, loses them to the drop (its gets raise,
+        naming the cleared row; none returns other rows). A key must not be put while a clear of it is in flight
+        (docs/dataplane.md)."""
         with self._exchange("clear") as line:
             line.send(Request.KV_RETRIEVE_META, {"keys": list(keys), "partition_id": partition_id, "create": False})
             meta = line.receive(Request.KV_RETRIEVE_META_RESPONSE)["metadata"]
@@ -661,6 +703,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
                 raise
             line.receive(Request.CLEAR_META_RESPONSE)
 
+    @_within_one_deadline
     def _list_keys(self, partition_id: str) -> tuple[str, ...]:
         if self._by_key:
             with self._exchange("list_keys") as line:
@@ -670,6 +713,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             listed = self._call("list_keys", tq_system.client().async_kv_list, partition_id)
         return tuple(listed.get(partition_id, {}))
 
+    @_within_one_deadline
     def _describe(self, keys: tuple[str, ...], partition_id: str) -> KVBatchMeta:
         """The meta's tags with the reserved ones hidden (see :func:`adapters.tq_wire.describe_meta`)."""
         client = tq_system.client()

@@ -10,6 +10,8 @@
   get located its rows by key (beside the lookup) or by index (after it).
 * A get locates its rows by key beside the controller's lookup once it knows the fields' wire names; a get by key
   alone runs in the caller's thread and keeps the call's deadline: a stopped index fails it, naming the index.
+* One deadline per call: a put's, a get's or a clear's waits on the controller, on TQ's client loop and on Ray
+  share the call's ``call_s``.
 * A verified get (integrity on) reads the rows and their digests by key too, and still catches a changed row.
 * A put whose columns fail to reach Ray's object store while its keys' lookup is in flight leaves the store as
   it was: the keys it registered are dropped.
@@ -21,6 +23,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -308,6 +311,70 @@ def test_a_get_by_keys_waits_outlast_a_probe_interval_and_share_one_deadline(tq_
     finally:
         ray.cancel(never, force=True)
         store.close()
+
+
+@on_object_store
+@pytest.mark.parametrize("op", ["put", "get", "clear"])
+def test_a_calls_waits_on_the_controller_and_on_ray_share_one_deadline(
+    tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch, op: str
+) -> None:
+    """One store call's waits share its one ``call_s``: the controller's reply to its lookup takes 1.2 s, then its
+    wait on the index (a put's register, a clear's drop) or on TQ's client loop (a get's read by index) never ends;
+    the call fails with ``StoreTimeout`` when the call's 3 s are spent, not 3 s after the lookup came back."""
+    ray.get(_after.remote(0.0, 0))  # a warm worker: the timings below are the waits', not a worker's start
+    deadlines = Deadlines(call_s=3.0, probe_every_s=0.05, probe_timeout_s=2.0)
+    store = TransferQueueStore(tq_system.attach(), parts=tq_system.parts(deadlines.probe_timeout_s), deadlines=deadlines)
+    rows = TensorDict({"x": _jagged([[1, 2], [3]])}, batch_size=[2])
+    if op != "put":
+        store.put(["a", "b"], partition, rows)
+    manager, never = tq_system.client().storage_manager, []
+    receive = Exchange.receive
+
+    def slow_lookup(self: Exchange, response_type: ZMQRequestType) -> dict:
+        if response_type == ZMQRequestType.KV_RETRIEVE_META_RESPONSE:
+            time.sleep(1.2)
+        return receive(self, response_type)
+
+    def hung(*args, **kwargs):  # type: ignore[no-untyped-def]
+        never.append(_after.remote(60.0, 0))
+        return never[-1]
+
+    async def hung_read(*args, **kwargs):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(60.0)
+
+    monkeypatch.setattr(Exchange, "receive", slow_lookup)
+    if op == "put":
+        monkeypatch.setattr(manager, "register_staged", hung)
+    elif op == "get":
+        monkeypatch.setattr(manager, "get_data", hung_read)
+    else:
+        monkeypatch.setattr(manager, "drop_owned", lambda *args, wait, **kwargs: wait(hung()))
+    call = {
+        "put": lambda: store.put(["a", "b"], partition, rows),
+        "get": lambda: store.get(["a", "b"], partition, ["x"]),  # a new store: its first get goes by the lookup
+        "clear": lambda: store.clear(["a", "b"], partition),
+    }[op]
+    started = time.monotonic()
+    try:
+        with pytest.raises(StoreTimeout, match=rf"'{op}' had no result within"):
+            call()
+        took = time.monotonic() - started
+        assert 2.9 < took < 3.8, took  # the call's 3 s (and its clean-up), not 1.2 s + 3 s
+    finally:
+        for ref in never:
+            ray.cancel(ref, force=True)
+        monkeypatch.undo()
+        store.close()
+    attached = TransferQueueStore.attach()
+    if op == "clear":  # the controller released the keys; the index still holds their rows, as a raced put's
+        with pytest.raises(KeyError, match="not stored"):
+            attached.get(["a", "b"], partition, ["x"])
+    elif op == "get":
+        assert attached.get(["a", "b"], partition, ["x"])["x"].values().tolist() == [1, 2, 3]
+        attached.clear(["a", "b"], partition)
+    else:
+        assert attached.list_keys(partition) == ()  # the failed put's new keys were dropped
+    attached.close()
 
 
 @on_object_store
