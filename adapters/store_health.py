@@ -320,6 +320,7 @@ def wait_for(
     deadlines: Deadlines,
     check: Callable[[], None],
     cancel: Callable[[], None] = lambda: None,
+    call_s: float | None = None,
 ) -> T:
     """Wait for a store call, probing the store while it waits; cancel the call on any failure.
 
@@ -332,6 +333,8 @@ def wait_for(
         check: probes the store's parts; raises :class:`StoreFailure` for a dead one.
         cancel: called (and its errors ignored) when the wait ends without a result:
             a dead part, the deadline, or an interrupt (``KeyboardInterrupt``).
+        call_s: the whole call's deadline, which a timeout names, where this wait is the part of a call
+            that ``deadlines.call_s`` has left (by default ``deadlines.call_s``).
 
     Raises:
         StoreFailure: a part died or stopped answering while the call waited.
@@ -346,9 +349,8 @@ def wait_for(
                 return value  # type: ignore[return-value]
             check()
             if time.monotonic() >= end:
-                raise StoreTimeout(
-                    f"{store}: '{op}' had no result within {deadlines.call_s:g} s although every part answered"
-                )
+                whole = deadlines.call_s if call_s is None else call_s
+                raise StoreTimeout(f"{store}: '{op}' had no result within {whole:g} s although every part answered")
     finally:
         if not finished:
             try:

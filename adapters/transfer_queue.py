@@ -379,6 +379,7 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             deadlines=self._left(self._end()) if deadlines is None else deadlines,
             check=self.check_health,
             cancel=future.cancel,
+            call_s=self._deadlines.call_s,
         )
 
     def _ray_waiter(self, op: str) -> Callable[[Any], Any]:
@@ -424,7 +425,10 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
         end = self._end()
 
         def wait(poll: Callable[[float], tuple[bool, Any]]) -> Any:
-            return wait_for(poll, op=op, store=tq_system.STORE_NAME, deadlines=self._left(end), check=self.check_health)
+            return wait_for(
+                poll, op=op, store=tq_system.STORE_NAME, deadlines=self._left(end), check=self.check_health,
+                call_s=self._deadlines.call_s,
+            )
 
         with line.exchange(wait) as exchange:
             yield exchange

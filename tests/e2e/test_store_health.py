@@ -60,6 +60,16 @@ def test_wait_for_times_out_after_call_s_and_cancels() -> None:
     assert cancelled == [1]
 
 
+def test_wait_for_a_calls_last_part_waits_what_is_left_and_names_the_whole_deadline() -> None:
+    """A wait that is the rest of a longer call waits ``deadlines.call_s`` (what the call has left) and its timeout
+    names the call's whole ``call_s``."""
+    started = time.monotonic()
+    left = Deadlines(call_s=0.3, probe_every_s=0.05, probe_timeout_s=0.5)
+    with pytest.raises(StoreTimeout, match=r"S: 'put' had no result within 120 s although every part answered"):
+        wait_for(_never_done, op="put", store="S", deadlines=left, check=lambda: None, call_s=120.0)
+    assert 0.3 <= time.monotonic() - started < 1.0
+
+
 def test_wait_for_stops_at_a_dead_part_and_cancels() -> None:
     """The first probe that finds a dead part ends the wait with its failure (long before ``call_s``)."""
     part = StorePart("unit 1", 42)
