@@ -486,11 +486,18 @@ class RayObjectStorageManager(StorageManager):
         return self._index.register.remote(_WRITER, puts, _owners(metadata), index_tags(reserved_tags))
 
     async def get_data(self, metadata: Any) -> TensorDict:
+        """:meth:`read_indexed` as TQ's client loop runs a storage call (its waits block the loop)."""
+        return self.read_indexed(metadata)
+
+    def read_indexed(self, metadata: Any, *, wait: Callable[[Any], Any] = ray.get) -> TensorDict:
+        """The rows at ``metadata``'s global indexes of its fields, located by the index (which checks each row's
+        key against the owners the adapter put on ``metadata``), in the calling thread; ``wait`` as for
+        :meth:`read_by_key`."""
         indexes = list(metadata.global_indexes)
         fields = list(metadata.field_names)
         owners = _owners(metadata)
-        found = await _wait(self._index.locate.remote(indexes, fields, owners))
-        return self._read(found, indexes, fields, owners)
+        found = wait(self._index.locate.remote(indexes, fields, owners))
+        return self._read(found, indexes, fields, owners, wait)
 
     def drop_owned(
         self, partition_id: str, keys: Sequence[str], indexes: Sequence[int], *, wait: Callable[[Any], Any] = ray.get
@@ -554,17 +561,22 @@ class RayObjectStorageManager(StorageManager):
         return data, TagColumns(found["tags"]["values"], len(keys), absent=found["tags"]["absent"])
 
     async def get_located(self, metadata: Any, located: Any) -> TensorDict:
-        """:meth:`get_data` of ``metadata`` using ``located``, the ref :meth:`locate_keys` returned for the same keys
-        and fields, when the index found every row at the global indexes ``metadata`` names; otherwise (the index
-        and the controller disagree, or a row is missing) the rows are located again by index, as ``get_data``
-        does, which raises what it finds wrong."""
+        """:meth:`read_located` as TQ's client loop runs a storage call (its waits block the loop)."""
+        return self.read_located(metadata, located)
+
+    def read_located(self, metadata: Any, located: Any, *, wait: Callable[[Any], Any] = ray.get) -> TensorDict:
+        """:meth:`read_indexed` of ``metadata`` using ``located``, the ref :meth:`locate_keys` returned for the same
+        keys and fields, when the index found every row at the global indexes ``metadata`` names; otherwise (the
+        index and the controller disagree, or a row is missing) the rows are located again by index, as
+        ``read_indexed`` does, which raises what it finds wrong. In the calling thread; ``wait`` as for
+        :meth:`read_by_key`."""
         indexes = list(metadata.global_indexes)
         fields = list(metadata.field_names)
         owners = _owners(metadata)
-        found = await _wait(located)
+        found = wait(located)
         if found.get("indexes") != indexes or set(found.get("locations", ())) != set(fields):
-            found = await _wait(self._index.locate.remote(indexes, fields, owners))
-        return self._read(found, indexes, fields, owners)
+            found = wait(self._index.locate.remote(indexes, fields, owners))
+        return self._read(found, indexes, fields, owners, wait)
 
     def _read(
         self,

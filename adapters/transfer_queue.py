@@ -648,8 +648,10 @@ class TransferQueueStore(ProbedActors, StoreAdapter):
             self._wires[memo] = wires
             if wires != guess:  # a field's kind, dtype or shape changed: the by-key answer is of other wire fields
                 located = None
-        if located is not None:
-            data = self._call("get", client.storage_manager.get_located, selected, located)
+        if self._by_key:  # in this thread, as a get by key alone: the rows are Ray's, no TQ call is left
+            wait = self._ray_waiter("get")
+            manager = client.storage_manager
+            data = manager.read_indexed(selected, wait=wait) if located is None else manager.read_located(selected, located, wait=wait)
         else:
             data = self._call("get", client.storage_manager.get_data, selected)
         return decode_columns(specs, data, len(keys), pad_rows=self._kv_backend), tags

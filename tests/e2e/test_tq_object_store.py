@@ -8,8 +8,9 @@
   naming the field and the global index, instead of coming back empty; a row whose index a put gave to another
   key after the lookup raises, naming both keys, instead of coming back as the other key's row; both whether the
   get located its rows by key (beside the lookup) or by index (after it).
-* A get locates its rows by key beside the controller's lookup once it knows the fields' wire names; a get by key
-  alone runs in the caller's thread and keeps the call's deadline: a stopped index fails it, naming the index.
+* A get locates its rows by key beside the controller's lookup once it knows the fields' wire names; every read
+  runs in the caller's thread and keeps the call's deadline: a stopped index fails a get by key alone, naming the
+  index.
 * One deadline per call: a put's, a get's or a clear's waits on the controller, on TQ's client loop and on Ray
   share the call's ``call_s``.
 * A verified get (integrity on) reads the rows and their digests by key too, and still catches a changed row.
@@ -23,7 +24,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -213,16 +213,18 @@ def test_a_get_finds_its_rows_by_key_once_it_knows_their_wire_fields(
     """The first get of some fields locates its rows by index after the controller's lookup. A later get of the
     same fields asks the index alone, by key (no lookup); a get with tags uses the index's by-key answer sent
     beside the lookup. All return the same rows. A rewrite with another dtype puts a second wire field beside
-    the first: the index then refuses to answer alone, and that get goes through the lookup, by index."""
+    the first: the index then refuses to answer alone, and that get goes through the lookup, by index. Every
+    read runs in the caller's thread (none on TQ's client loop)."""
     store = TransferQueueStore.attach()
     manager = tq_system.client().storage_manager
     calls: list[str] = []
-    for name in ("get_data", "get_located"):
+    for name in ("read_indexed", "read_located"):
         original = getattr(manager, name)
 
-        async def spy(*args, _name=name, _original=original, **kwargs):  # type: ignore[no-untyped-def]
-            out = await _original(*args, **kwargs)
-            calls.append(_name if out is not None else f"{_name}: no answer")
+        def spy(*args, _name=name, _original=original, **kwargs):  # type: ignore[no-untyped-def]
+            assert threading.current_thread() is threading.main_thread(), threading.current_thread()
+            out = _original(*args, **kwargs)
+            calls.append(_name)
             return out
 
         monkeypatch.setattr(manager, name, spy)
@@ -245,7 +247,7 @@ def test_a_get_finds_its_rows_by_key_once_it_knows_their_wire_fields(
     assert tags == ({"t": 2}, {"t": 1})
     store.put(["a", "b"], partition, TensorDict({"x": torch.ones(2, 3, dtype=torch.float16)}, batch_size=[2]))
     assert store.get(["a", "b"], partition, ["x"])["x"].dtype == torch.float16
-    assert calls == ["get_data", "read_by_key", "get_located", "read_by_key: no answer", "get_data"]
+    assert calls == ["read_indexed", "read_by_key", "read_located", "read_by_key: no answer", "read_indexed"]
     store.clear(["a", "b"], partition)
     with pytest.raises(KeyError, match="not stored"):  # cleared: the index does not know them, the lookup says so
         store.get(["a", "b"], partition, ["x"])
@@ -319,7 +321,7 @@ def test_a_calls_waits_on_the_controller_and_on_ray_share_one_deadline(
     tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch, op: str
 ) -> None:
     """One store call's waits share its one ``call_s``: the controller's reply to its lookup takes 1.2 s, then its
-    wait on the index (a put's register, a clear's drop) or on TQ's client loop (a get's read by index) never ends;
+    wait on Ray (a put's register, a clear's drop, a get's read by index) never ends;
     the call fails with ``StoreTimeout`` when the call's 3 s are spent, not 3 s after the lookup came back."""
     ray.get(_after.remote(0.0, 0))  # a warm worker: the timings below are the waits', not a worker's start
     deadlines = Deadlines(call_s=3.0, probe_every_s=0.05, probe_timeout_s=2.0)
@@ -339,14 +341,11 @@ def test_a_calls_waits_on_the_controller_and_on_ray_share_one_deadline(
         never.append(_after.remote(60.0, 0))
         return never[-1]
 
-    async def hung_read(*args, **kwargs):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(60.0)
-
     monkeypatch.setattr(Exchange, "receive", slow_lookup)
     if op == "put":
         monkeypatch.setattr(manager, "register_staged", hung)
     elif op == "get":
-        monkeypatch.setattr(manager, "get_data", hung_read)
+        monkeypatch.setattr(manager, "read_indexed", lambda *args, wait, **kwargs: wait(hung()))
     else:
         monkeypatch.setattr(manager, "drop_owned", lambda *args, wait, **kwargs: wait(hung()))
     call = {
