@@ -89,7 +89,7 @@ def encode_routing(indices: Tensor, num_experts: int) -> RoutedExperts:
     """
     dtype = routing_dtype(num_experts)
     tensor = _check_integer("indices", indices)
-    bad = (tensor < NO_ROUTE) | (tensor >= num_experts)
+    bad = (tensor < NO_ROUTE) | _at_least(tensor, num_experts)
     if bool(bad.any()):
         index = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(
@@ -193,7 +193,7 @@ def check_routing(
             f"got {tuple(padded.shape)}"
         )
     selected = real[:, :, None, None]
-    out_of_range = selected & (((padded < 0) & (padded != NO_ROUTE)) | (padded >= experts))
+    out_of_range = selected & (((padded < 0) & (padded != NO_ROUTE)) | _at_least(padded, experts))
     if bool(out_of_range.any()):
         row, token, layer, slot = _first(out_of_range)
         raise ValueError(
@@ -409,6 +409,14 @@ def logprob_mismatch(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tok
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _at_least(tensor: Tensor, bound: int) -> Tensor:
+    """``tensor >= bound`` for an integer tensor, exact for a bound its dtype cannot hold (torch would wrap
+    ``bound`` into the dtype: an int8 tensor ``>= 128`` compares with -128, true for every entry)."""
+    if bound > torch.iinfo(tensor.dtype).max:
+        return torch.zeros_like(tensor, dtype=torch.bool)
+    return tensor >= bound
 
 
 def _check_integer(name: str, value: Any) -> Tensor:

@@ -149,6 +149,20 @@ def test_routing_bytes_rejects_bad_sizes() -> None:
 # ---------------------------------------------------------------- check_routing
 
 
+@pytest.mark.parametrize("num_experts", [127, 128, 129, 32_767, 32_768, 32_769])
+def test_check_routing_and_encode_accept_ids_at_each_dtype_boundary(num_experts: int) -> None:
+    """At the expert counts where routing_dtype changes (a dtype that holds E - 1 but not E), an encoded routing
+    holding the top id E - 1 passes check_routing, and encoding it again is the identity: the range checks compare
+    with E exactly instead of wrapping it into the narrow dtype (128 as int8 is -128)."""
+    ids = torch.tensor([[[[0, num_experts - 1]], [[num_experts - 1, 1]], [[NO_ROUTE, NO_ROUTE]]]])  # 3 tokens, top-2
+    encoded = encode_routing(ids, num_experts)
+    check_routing(encoded, [2], num_layers=1, topk=2, num_experts=num_experts)  # the third token is padding
+    assert torch.equal(encode_routing(encoded, num_experts), encoded)
+    assert torch.equal(decode_routing(encoded), ids)
+    with pytest.raises(ValueError, match=rf"expected expert ids in \[0, {num_experts - 1}\), got {num_experts - 1}"):
+        check_routing(encoded, [2], num_layers=1, topk=2, num_experts=num_experts - 1)  # one expert fewer: E - 1 is out
+
+
 @given(routing_cases())
 def test_check_routing_accepts_valid_routings_whatever_the_padding(case: Case) -> None:
     """Distinct in-range experts on every real token pass, padding holding -1, 0 or junk; so does a 3-D row."""
