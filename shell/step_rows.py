@@ -81,9 +81,9 @@ def _cat_batches(a: TensorDict, b: TensorDict) -> TensorDict:
     out: dict[str, torch.Tensor] = {}
     for name in a.keys():
         x, y = a[name], b[name]
-        if x.dim() >= 2 and x.shape[1] != y.shape[1]:
+        if x.dim() >= 2 and x.shape[1] != y.shape[1]:  # pad dim 1, the tokens ([B, S] and [B, S, layers, topk])
             width = max(x.shape[1], y.shape[1])
-            x = torch.nn.functional.pad(x, (0, width - x.shape[1]))
-            y = torch.nn.functional.pad(y, (0, width - y.shape[1]))
+            x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]))
+            y = torch.nn.functional.pad(y, (0, 0) * (y.dim() - 2) + (0, width - y.shape[1]))
         out[name] = torch.cat([x, y])
     return build_tensordict(out, len(a) + len(b))

@@ -44,24 +44,30 @@ def test_model_config_pads_the_vocabulary_to_a_multiple_of_8_and_tp(tp: int) -> 
 
 
 def _rows(prefix: str, n: int, width: int, offset: int) -> StepRows:
-    """``n`` legacy rows of ``width`` tokens each (ids ``offset + 1 ...``), keys ``prefix<i>``."""
+    """``n`` legacy rows of ``width`` tokens each (ids ``offset + 1 ...``), keys ``prefix<i>``, with a per-token
+    ``[n, width, 2 layers, top-3]`` routing (ids from ``offset + 1`` too, in int16)."""
     ids = torch.arange(1, n * width + 1).reshape(n, width) + offset
-    meta = KVBatchMeta("legacy", [f"{prefix}{i}" for i in range(n)], fields=["input_ids"], sequence_lengths=[width] * n)
-    return StepRows(meta, TensorDict({"input_ids": ids, "lengths": torch.full((n,), width)}, [n]))
+    routed = (torch.arange(1, n * width * 6 + 1).reshape(n, width, 2, 3) + offset).to(torch.int16)
+    meta = KVBatchMeta(
+        "legacy", [f"{prefix}{i}" for i in range(n)], fields=["input_ids", "routed_experts"], sequence_lengths=[width] * n
+    )
+    return StepRows(meta, TensorDict({"input_ids": ids, "routed_experts": routed, "lengths": torch.full((n,), width)}, [n]))
 
 
 @given(
     st.integers(1, 4), st.integers(1, 4), st.integers(1, 6), st.integers(1, 6),
 )
 def test_step_rows_concat_keeps_rows_and_pads_token_fields_with_zeros(na: int, nb: int, wa: int, wb: int) -> None:
-    """Rows of a then b (keys, lengths and batch aligned); each row's tokens are unchanged and the padding added is 0."""
-    a, b = _rows("a", na, wa, 0), _rows("b", nb, wb, 100)
+    """Rows of a then b (keys, lengths and batch aligned); each row's tokens are unchanged and the padding added is 0,
+    along the tokens (dim 1) for a [B, S] field and for a [B, S, layers, topk] routing alike."""
+    a, b = _rows("a", na, wa, 0), _rows("b", nb, wb, 10_000)
     rows = a.concat(b)
     out = rows.require_batch()
     width = max(wa, wb)
-    assert out["input_ids"].shape == (na + nb, width)
-    assert torch.equal(out["input_ids"][:na, :wa], a.require_batch()["input_ids"]) and not out["input_ids"][:na, wa:].any()
-    assert torch.equal(out["input_ids"][na:, :wb], b.require_batch()["input_ids"]) and not out["input_ids"][na:, wb:].any()
+    assert out["input_ids"].shape == (na + nb, width) and out["routed_experts"].shape == (na + nb, width, 2, 3)
+    for name in ("input_ids", "routed_experts"):
+        assert torch.equal(out[name][:na, :wa], a.require_batch()[name]) and not out[name][:na, wa:].any()
+        assert torch.equal(out[name][na:, :wb], b.require_batch()[name]) and not out[name][na:, wb:].any()
     assert torch.equal(out["lengths"], torch.cat([a.require_batch()["lengths"], b.require_batch()["lengths"]]))
     assert rows.meta.keys == a.meta.keys + b.meta.keys and len(rows) == na + nb
     assert rows.meta.sequence_lengths == (wa,) * na + (wb,) * nb
