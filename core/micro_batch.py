@@ -48,6 +48,10 @@ def _positive_int(name: str) -> FieldValidator:
     return check
 
 
+_FALLBACK_PACKER = "best_fit_decreasing"
+"""The packer whose bins a plan starts from when ``PackingSpec.algorithm``'s need more bins than there are rows."""
+
+
 def _known_algorithm(_instance: Any, _attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, str):
         raise TypeError(f"'algorithm' must be a str, one of {PACKING_ALGORITHMS}: got {type(value).__name__}")
@@ -179,7 +183,8 @@ def _too_few_rows(offset: int, n: int, dp: int, needed: int) -> str:
 def _packed_bins(padded: list[int], dp: int, spec: PackingSpec) -> tuple[list[list[int]], list[int], list[int]]:
     """Bins (row positions, ascending) within capacity, their loads, and the step each bin runs in.
 
-    The packer fixes the bin count ``B`` (a multiple of ``dp``). Candidates:
+    The packer fixes the bin count ``B`` (a multiple of ``dp``); where it needs more bins than there are rows
+    (an order-keeping packer can), :data:`_FALLBACK_PACKER`'s bins are the start instead. Candidates:
     the smallest multiple of ``dp`` at or above the lower bound (when below
     ``B``) and ``B`` itself, each as a non-equal :func:`balanced_partition`
     accepted only if every bin is non-empty and within capacity (skipped
@@ -191,9 +196,18 @@ def _packed_bins(padded: list[int], dp: int, spec: PackingSpec) -> tuple[list[li
     """
     cap = spec.max_tokens_per_microbatch
     n = len(padded)
-    packed = pack_sequences(
-        padded, capacity=cap, algorithm=spec.algorithm, bin_count_multiple=dp, min_bin_count=dp
-    )
+    try:
+        packed = pack_sequences(
+            padded, capacity=cap, algorithm=spec.algorithm, bin_count_multiple=dp, min_bin_count=dp
+        )
+    except ValueError:
+        if spec.algorithm == _FALLBACK_PACKER:
+            raise
+        # An order-keeping packer ("concatenative") can need more bins than there are rows where another packer
+        # does not; the plan reorders rows anyway, so start from the fallback's bins (it raises what is wrong).
+        packed = pack_sequences(
+            padded, capacity=cap, algorithm=_FALLBACK_PACKER, bin_count_multiple=dp, min_bin_count=dp
+        )
     w = np.asarray(padded, dtype=np.float64)
     count = len(packed)
     labels = np.empty(n, dtype=np.int64)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from core.micro_batch import DynamicBatchingSpec, PackingSpec, plan_global_batch
+from core.packing import PACKING_ALGORITHMS
 from tests.property.references import micro_batch_tokens
 from tests.property.strategies import micro_batching_cases
 
@@ -84,6 +86,30 @@ def test_plan_global_batch_loads_are_plain_recounts_within_capacity(case: tuple)
     for rank, rank_loads in zip(plan, loads):
         assert rank_loads == [micro_batch_tokens([lengths[i] for i in mb], spec) for mb in rank]
         assert all(load <= spec.max_tokens_per_microbatch for load in rank_loads)
+
+
+@given(st.sampled_from([8, 14, 16]), st.integers(1, 3), st.sampled_from(PACKING_ALGORITHMS), st.data())
+@settings(max_examples=300)  # small batches: cheap
+def test_plan_global_batch_packs_whenever_the_default_packer_can(cap: int, dp: int, algorithm: str, data: st.DataObject) -> None:
+    """The packer is a starting point, not a constraint: a plan exists for every algorithm exactly when it exists for
+    the default one (an order-keeping packer that needs more bins than there are rows must not fail the step)."""
+    lengths = data.draw(st.lists(st.integers(0, cap), min_size=1, max_size=8))
+
+    def plan(spec: PackingSpec) -> object:
+        try:
+            return plan_global_batch(lengths, dp_world=dp, spec=spec)
+        except ValueError:
+            return None
+
+    default = plan(PackingSpec(cap))
+    chosen = plan(PackingSpec(cap, algorithm=algorithm))
+    assert (default is None) == (chosen is None), (default, chosen)
+
+
+def test_plan_global_batch_concatenative_falls_back_where_it_needs_more_bins_than_rows() -> None:
+    """5, 12, 3 in order need 3 bins of 14, 4 for two ranks, more than the 3 rows; the plan packs them in 2."""
+    plan, loads = plan_global_batch([5, 12, 3], dp_world=2, spec=PackingSpec(14, algorithm="concatenative"))
+    assert sorted(tuple(mb) for rank in plan for mb in rank) == [(0, 2), (1,)] and sorted(sum(loads, [])) == [8, 12]
 
 
 @pytest.mark.parametrize(
