@@ -165,7 +165,9 @@ class Worker:
         for ranks in replica_groups(sharding):
             if len(ranks) == 1:
                 continue  # every rank skips the same groups, so creation order still agrees
-            group = dist.new_group(ranks=list(ranks))
+            # The group's own timeout: without one, torch gives a new group its backend's default (30 min on gloo,
+            # 10 on NCCL), so a leader broadcast whose peer failed would block that long, not timeout_s.
+            group = dist.new_group(ranks=list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
             if rank in ranks:
                 mine = group
         self._placement = placement

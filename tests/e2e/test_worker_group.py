@@ -124,6 +124,20 @@ class ProbeWorker(Worker):
         return self.rank
 
     @on_all_ranks
+    def broadcast_without_leader(self) -> float:
+        """Non-leaders wait in a broadcast on the replica group that its leader never joins: the seconds until the
+        group's timeout failed it (-1.0: it returned); the leader returns 0.0 at once."""
+        group = self.replica_group()
+        if self.is_replica_leader or group is None:
+            return 0.0
+        started = time.monotonic()
+        try:
+            dist.broadcast(torch.zeros(1), src=dist.get_global_rank(group, 0), group=group)
+        except Exception:
+            return time.monotonic() - started
+        return -1.0
+
+    @on_all_ranks
     def nap(self, seconds: float) -> int:
         time.sleep(seconds)
         return self.rank
@@ -428,6 +442,18 @@ def test_call_reports_killed_actor_within_bound(small_group: WorkerGroup) -> Non
     assert info.value.rank == 1 and info.value.remote_traceback == ""
     small_group.shutdown()  # the dead rank's destroy call fails; shutdown still completes
     assert small_group.closed
+
+
+def test_a_replica_group_times_out_after_the_groups_timeout(ray_cluster: None) -> None:
+    """A replica group (TP=2 here) has the process-group timeout the group was built with: a non-leader waiting
+    in a broadcast its leader never joins fails after pg_timeout_s (3 s), not torch's default for a new group
+    (30 min on gloo)."""
+    with WorkerGroup(
+        ProbeWorker, NamedSharding({"tensor_parallel": 2}), backend="gloo", num_cpus_per_worker=CPUS,
+        timeout_s=30, pg_timeout_s=3,
+    ) as wg:
+        leader, other = wg.call(ProbeWorker.broadcast_without_leader)
+    assert leader == 0.0 and 2.5 < other < 20.0, other
 
 
 # ---------------------------------------------------------------- shutdown and misuse
