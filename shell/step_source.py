@@ -479,7 +479,11 @@ class CollectorSource:
         wait = time.perf_counter() - started
         groups = report.groups
         rows, carry = _step_rows(groups)
-        stats = self._call_collector(RolloutCollector.stats)
+        try:
+            stats = self._call_collector(RolloutCollector.stats)
+        except BaseException:  # the sampled keys left the buffer: the step owns them, so its abort clears them
+            transport.admit(rows, {})
+            raise
         previous, self._collector_stats = self._collector_stats, stats
         delta = {k: v - previous.get(k, 0.0) for k, v in stats.items()}
         transport.admit(rows, {

@@ -29,6 +29,7 @@ from shell.run_config import load_run_config
 from shell.run_log import read_metrics
 from shell.step_source import CollectorSource
 from shell.worker_group import WorkerError
+from shell.worker_errors import component_error
 
 pytestmark = pytest.mark.e2e
 
@@ -184,6 +185,37 @@ def test_async_staleness_bound_holds_per_row_and_no_key_leaks(
             buffered = set(source.buffer.keys())  # type: ignore[union-attr]
             assert stored <= in_flight | buffered, f"step {step}: {sorted(stored - in_flight - buffered)[:4]}"
         assert max(lag for versions, step in zip(seen, range(1, steps + 1)) for lag in [(step - 1) - v for v in versions]) >= 1
+    finally:
+        trainer.close()
+    assert _run_keys(ray_memory_session, partition, trainer) == set()
+
+
+def test_a_step_failing_right_after_it_sampled_owns_and_clears_the_sampled_keys(
+    ray_memory_session: RayMemoryStore, partition: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The collector's stats call fails right after a step took its groups out of the buffer: the step fails, and
+    the sampled keys are the step's, so its abort clears them; every stored key is still buffered or in flight."""
+    trainer = _trainer(ray_memory_session, partition, "grpo.async.max_staleness=1", "grpo.async.buffer_groups=8")
+    try:
+        trainer.start()
+        trainer.step(1)
+        source = trainer.source
+        assert isinstance(source, CollectorSource)
+        call = source._call_collector
+
+        def failing_stats(method: Any, *args: Any) -> Any:
+            if method is RolloutCollector.stats:
+                raise component_error("the rollout collector", "stats", "injected")
+            return call(method, *args)
+
+        monkeypatch.setattr(source, "_call_collector", failing_stats)
+        with pytest.raises(WorkerError, match="injected"):
+            trainer.step(2)
+        monkeypatch.undo()
+        stored = _run_keys(ray_memory_session, partition, trainer)
+        in_flight = set(source.group.call(RolloutCollector.in_flight_keys)[0])  # type: ignore[union-attr]
+        buffered = set(source.buffer.keys())  # type: ignore[union-attr]
+        assert stored <= in_flight | buffered, sorted(stored - in_flight - buffered)[:4]
     finally:
         trainer.close()
     assert _run_keys(ray_memory_session, partition, trainer) == set()
