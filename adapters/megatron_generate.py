@@ -117,14 +117,17 @@ def sample(
                 tokens = sequences[:, :span].to(device)
                 positions = torch.arange(span, device=device).expand_as(tokens)
                 logits = model(tokens, positions, None)  # [B, span, V]
-                last = logits[index, lengths - 1].float().cpu() / temperature
+                raw = logits[index, lengths - 1].float().cpu()
+                last = raw / temperature
                 if vocab_limit is not None:
                     last[:, vocab_limit:] = -math.inf
                 probs = torch.softmax(last, dim=-1)
                 drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)
                 live = ~done
                 entropy += torch.where(live, categorical_entropy(last).double(), 0.0)
-                drawn_logprob = torch.log_softmax(last, dim=-1).gather(1, drawn[:, None]).squeeze(1)
+                # The drawn token's log-prob under the policy as the trainer scores it (the whole vocabulary, no
+                # temperature), so that an importance weight against the trainer's log-probs is 1 for equal weights.
+                drawn_logprob = torch.log_softmax(raw, dim=-1).gather(1, drawn[:, None]).squeeze(1)
                 logprobs[index[live], lengths[live]] = drawn_logprob[live]
                 sequences[index[live], lengths[live]] = drawn[live]
                 lengths = lengths + live.long()

@@ -41,10 +41,11 @@ class Generation:
         lengths: LongTensor[B], prompt plus response tokens of each row (the EOS included).
         entropy: DoubleTensor[B], per row the summed entropy (nats) of the distributions its
             response tokens were drawn from (temperature applied, masked to ``vocab_limit``).
-        logprobs: FloatTensor[B, L], the behaviour policy's log-probability of each response token
-            under the distribution it was drawn from (temperature applied, masked to ``vocab_limit``),
-            at the token's position (aligned with :meth:`PolicyBackend.logprobs`); 0 at prompt and
-            padding positions.
+        logprobs: FloatTensor[B, L], the behaviour policy's log-probability of each response token as
+            :meth:`PolicyBackend.logprobs` scores it (the model's whole vocabulary, no temperature), whatever
+            ``temperature`` and ``vocab_limit`` the draw used, at the token's position; 0 at prompt and
+            padding positions. (Before 2026-11-28 it was the log-probability under the distribution the
+            token was drawn from, which an importance weight against the trainer's log-probs cannot use.)
         routed_experts: for an MoE policy, LongTensor[B, L, num_layers, topk]: the experts each token was
             routed to (ascending ids) in one forward over the final sequences at the rollout precision, -1 at
             padding positions; what :meth:`PolicyBackend.logprobs` and ``train_step`` replay. None for a

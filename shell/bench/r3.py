@@ -485,8 +485,9 @@ def _measure(overrides: Sequence[str], seed: int, batches: int, checkpoint: str 
     from shell.run_config import load_run_config
 
     # The rollout samples from the full (padded) vocabulary here, not the tokenizer's ids only as shell.rollout
-    # does: the trainer's log-probs are over the full vocabulary, so a vocab-limited rollout would differ from
-    # them by the log of the mass on the allowed ids at every token, whatever the routing and precision.
+    # does, as it did when the recorded log-probs were those of the distribution the tokens were drawn from (a
+    # vocab-limited draw then differed from the trainer's by the log of the mass on the allowed ids); they are
+    # the trainer's distribution's since 2026-11-28 either way, and the published figures sampled so.
     config = load_run_config([*overrides, f"seed={seed}"])
     task = build_task(config)
     model = model_config(config, task)

@@ -195,8 +195,13 @@ def _single_rank(rank: int, inputs: Results) -> Results:
         GEN_PROMPTS, GEN_PROMPT_LENGTHS, max_new_tokens=GEN_NEW_TOKENS, eos_id=GEN_EOS,
         generator=torch.Generator().manual_seed(8),
     )
+    out["generated_hot_limited"] = sampler.generate(
+        GEN_PROMPTS, GEN_PROMPT_LENGTHS, max_new_tokens=GEN_NEW_TOKENS, eos_id=GEN_EOS,
+        generator=torch.Generator().manual_seed(9), vocab_limit=GEN_VOCAB_LIMIT, temperature=0.7,
+    )
     generated = out["generated"]
-    out["generated_rescored"] = sampler.logprobs(generated.sequences, generated.lengths)
+    for name in ("generated", "generated_limited", "generated_hot_limited"):
+        out[f"{name}_rescored"] = sampler.logprobs(out[name].sequences, out[name].lengths)
     out["reference_entropy"] = {
         name: _reference_entropy(sampler, out[name], limit)
         for name, limit in (("generated", None), ("generated_limited", GEN_VOCAB_LIMIT))
@@ -839,17 +844,19 @@ def test_parallel_coords_follow_the_topology_rank_order(
     assert [rank["coords"] for rank in ranks] == [dict(sharding.coords(r)) for r in range(sharding.world_size)]
 
 
-def test_generate_records_each_drawn_tokens_behaviour_logprob(single: Results) -> None:
-    """``Generation.logprobs`` holds, at each response position, the log-probability the token was drawn with:
-    at temperature 1 over the whole vocabulary it matches the policy's own log-probs of the sequences (to float
-    tolerance: a different forward shape); it is 0 at prompt and padding positions and < 0 where a token was drawn."""
-    generated: Generation = single["generated"]
+@pytest.mark.parametrize("name", ["generated", "generated_limited", "generated_hot_limited"])
+def test_generate_records_each_drawn_tokens_behaviour_logprob(single: Results, name: str) -> None:
+    """``Generation.logprobs`` holds, at each response position, the drawn token's log-probability as the policy's
+    own ``logprobs`` scores the sequences (to float tolerance: a different forward shape), whatever the draw's
+    temperature (0.7) and vocabulary limit: an importance weight against the trainer's log-probs is then 1 for
+    equal weights. It is 0 at prompt and padding positions and < 0 where a token was drawn."""
+    generated: Generation = single[name]
     positions = torch.arange(generated.sequences.shape[1])[None, :]
     response = (positions >= GEN_PROMPT_LENGTHS[:, None]) & (positions < generated.lengths[:, None])
     assert generated.logprobs.shape == generated.sequences.shape and generated.logprobs.dtype == torch.float32
     assert torch.all(generated.logprobs[~response] == 0)
     assert torch.all(generated.logprobs[response] < 0)
-    torch.testing.assert_close(generated.logprobs[response], single["generated_rescored"][response], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(generated.logprobs[response], single[f"{name}_rescored"][response], atol=1e-5, rtol=1e-5)
 
 
 # -- MoE: routing record and replay ----------------------------------------------------------------------
