@@ -124,7 +124,14 @@ class GRPOLoss:
             )
         out = {name: float(value) for name, value in metrics.items()}
         if self.kl_coef > 0:
-            kl = masked_mean(kl_k3(logprobs, micro_batch[REFERENCE_LOGPROBS]), mask)
+            # Masked tokens reach neither the value nor the gradient, whatever they hold: masked_mean zeroes a
+            # masked value but not its gradient, which is NaN where a masked reference log-prob is NaN or huge.
+            kept = mask != 0
+            zero = torch.zeros((), dtype=logprobs.dtype)
+            reference = micro_batch[REFERENCE_LOGPROBS]
+            kl = masked_mean(
+                kl_k3(torch.where(kept, logprobs, zero), torch.where(kept, reference, zero.to(reference.dtype))), mask
+            )
             loss = loss + self.kl_coef * kl
             out["kl"] = float(kl.detach())
         out["policy_loss"] = float(loss.detach())
