@@ -80,7 +80,8 @@ class RunStopper:
         self._pids: set[int] = set()
         self._status: int | None = None  # the clean-up's status, once it began
         self._timer: threading.Timer | None = None
-        self._lock = threading.Lock()
+        # Re-entrant: a signal's handler runs on the main thread, which may hold it (inside _start_timer) then.
+        self._lock = threading.RLock()
         self._stopping = False
         self._last: Callable[[], None] | None = None
 

@@ -61,6 +61,41 @@ def test_run_stopper_hard_stop_kills_descendants_and_exits_130(scenario: str) ->
     assert took < 20.0
 
 
+# A failed run's clean-up whose deadline timer is being started when a SIGTERM arrives: its handler runs on the
+# main thread while that thread holds the stopper's lock inside _start_timer, and must still hard-stop.
+_SIGNAL_IN_TIMER_START = """
+import os, signal, subprocess, sys, threading, time
+from shell.run_stop import RunStopper
+child = subprocess.Popen(["sleep", "60"])
+print(child.pid, flush=True)
+stopper = RunStopper(lambda message: print(message, flush=True), timeout_s=30.0)
+start = threading.Timer.start
+def signalled_start(timer):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # the handler runs here, the lock held
+    start(timer)
+threading.Timer.start = signalled_start
+with stopper.installed():
+    with stopper.cleanup(1):
+        time.sleep(30)
+sys.exit(4)  # not reached: the hard stop exits
+"""
+
+
+def test_run_stopper_hard_stops_on_a_signal_while_its_clean_up_timer_starts() -> None:
+    """A SIGTERM whose handler runs while the main thread is starting the clean-up's timer (holding the stopper's
+    lock) hard-stops at once, exit 130, instead of waiting forever on that lock."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_IN_TIMER_START],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 130, (lines, done.stderr[-2000:])
+    assert "hard stop (SIGTERM during the clean-up): killed 1 processes of the run; exit 130" in lines, lines
+    assert time.monotonic() - started < 20.0
+
+
 def test_run_stopper_first_signal_raises_interrupted_and_restores_handlers() -> None:
     """SIGTERM in the body raises Interrupted (a KeyboardInterrupt, not an Exception: clean-up code cannot swallow
     it, and Ray's waits pass it on); the previous handlers are back afterwards."""
