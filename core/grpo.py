@@ -372,6 +372,35 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return (torch.expm1(d) - d).clamp_min(0)
 
 
+def masked_kl_k3(
+    logprobs: Tensor, ref_logprobs: Tensor, mask: TokenMask, *, normalizer: float | None = None
+) -> Tensor:
+    """``masked_mean(kl_k3(logprobs, ref_logprobs), mask)`` where masked tokens reach neither the value nor the
+    gradient, whatever they hold.
+
+    ``masked_mean`` ignores a masked value, but the gradient of ``kl_k3`` at a
+    masked token is ``0 * (1 - exp(ref - logprobs))``, NaN where the reference
+    log-prob there is NaN or ``exp`` overflows; so both inputs are replaced by
+    0 at masked tokens before ``kl_k3``. Kept tokens give the same value, bit
+    for bit.
+
+    Raises:
+        TypeError, ValueError: as :func:`kl_k3` and :func:`masked_mean`.
+
+    Example:
+        >>> lp = torch.tensor([-1.0, -2.0], requires_grad=True)
+        >>> masked_kl_k3(lp, torch.tensor([-1.0, float("nan")]), torch.tensor([True, False])).backward()
+        >>> bool(torch.isfinite(lp.grad).all()), lp.grad[1].item()
+        (True, 0.0)
+    """
+    logprobs = _check_floating("logprobs", logprobs)
+    ref = _check_floating("ref_logprobs", ref_logprobs)
+    _check_shape("ref_logprobs", ref, tuple(logprobs.shape), "same as 'logprobs'")
+    kept = _check_mask(mask, tuple(logprobs.shape), logprobs.dtype) != 0
+    k3 = kl_k3(torch.where(kept, logprobs, 0), torch.where(kept, ref, 0))
+    return masked_mean(k3, mask, normalizer=normalizer)
+
+
 def clipped_policy_loss(
     logprobs: TokenLogprobs,
     prev_logprobs: TokenLogprobs,

@@ -23,7 +23,7 @@ import torch
 from core.fields import (
     ADVANTAGES, GENERATION_LOGPROBS, PREV_LOGPROBS, REFERENCE_LOGPROBS, SAMPLE_MASK, TOKEN_MASK, VERSION_LAG,
 )
-from core.grpo import clipped_policy_loss, kl_k3, masked_mean
+from core.grpo import clipped_policy_loss, masked_kl_k3
 from core.off_policy import behaviour_logprobs, decoupled_policy_loss
 
 
@@ -124,14 +124,7 @@ class GRPOLoss:
             )
         out = {name: float(value) for name, value in metrics.items()}
         if self.kl_coef > 0:
-            # Masked tokens reach neither the value nor the gradient, whatever they hold: masked_mean zeroes a
-            # masked value but not its gradient, which is NaN where a masked reference log-prob is NaN or huge.
-            kept = mask != 0
-            zero = torch.zeros((), dtype=logprobs.dtype)
-            reference = micro_batch[REFERENCE_LOGPROBS]
-            kl = masked_mean(
-                kl_k3(torch.where(kept, logprobs, zero), torch.where(kept, reference, zero.to(reference.dtype))), mask
-            )
+            kl = masked_kl_k3(logprobs, micro_batch[REFERENCE_LOGPROBS], mask)
             loss = loss + self.kl_coef * kl
             out["kl"] = float(kl.detach())
         out["policy_loss"] = float(loss.detach())

@@ -16,6 +16,7 @@ from core.grpo import (
     group_baseline,
     grpo_advantages,
     kl_k3,
+    masked_kl_k3,
     masked_mean,
 )
 from tests.property.strategies import clip_ranges, grouped_rewards, policy_loss_inputs, weighted_policy_loss_inputs
@@ -585,3 +586,24 @@ def test_masked_mean_rejects_bad_arguments() -> None:
         masked_mean(torch.zeros(3), torch.ones(3), normalizer=-2)
     with pytest.raises(TypeError, match=r"'values' must be a torch.Tensor: got list"):
         masked_mean([1.0], torch.ones(1))  # type: ignore[arg-type]
+
+
+@given(
+    st.lists(st.floats(-3.0, 0.0), min_size=4, max_size=4),
+    st.lists(st.floats(-3.0, 0.0), min_size=4, max_size=4),
+    st.sampled_from([float("nan"), float("inf"), -float("inf"), 100.0]),
+)
+def test_masked_kl_k3_is_the_masked_mean_of_k3_and_masked_tokens_never_reach_its_gradient(
+    logprobs: list[float], reference: list[float], junk: float
+) -> None:
+    """Value: masked_mean(kl_k3(...), mask), bit for bit; gradient: finite, 0 at masked tokens, whatever they hold."""
+    mask = torch.tensor([True, False, True, False])
+    current = torch.tensor(logprobs, requires_grad=True)
+    ref = torch.tensor(reference).masked_fill(~mask, junk)
+    value = masked_kl_k3(current, ref, mask)
+    value.backward()
+    assert current.grad is not None
+    assert torch.isfinite(current.grad).all() and torch.all(current.grad[~mask] == 0)
+    plain = masked_mean(kl_k3(torch.tensor(logprobs), ref), mask)
+    assert torch.equal(value.detach(), plain)
+
