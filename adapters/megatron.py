@@ -37,7 +37,9 @@ their slice of the sequence, and the ranks' slices are joined for
 :meth:`~MegatronGPTBackend.routing`; PP runs megatron's
 ``get_forward_backward_func()`` schedule (1F1B for training, ``forward_only``
 for log-probs) and broadcasts the last stage's result over the PP group; DP
-all-reduces (averages) gradients in megatron's DDP after the last micro-batch.
+all-reduces (sums) gradients in megatron's DDP after the last micro-batch, and
+megatron divides them by the step's loss count summed over the DP ranks (its
+per-token loss), so a loss of summed tokens trains on the global token mean.
 The optimizer is megatron's (``get_megatron_optimizer``: torch Adam in an
 ``FP32Optimizer``), without clipping; ``grad_norm`` is its ``get_grad_norm``,
 which sums squares over TP and PP shards without double counting duplicates.
@@ -489,9 +491,13 @@ class MegatronGPTBackend:
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> TrainStepResult:
         """Accumulate gradients over ``micro_batches`` through megatron's schedule, then one Adam step.
 
-        Each micro-batch's loss is divided by the number of micro-batches before
-        backward, so the gradient is that of the mean loss; DDP then averages it
-        over the data-parallel ranks.
+        The gradient is that of ``sum(loss_i) / sum(count_i)`` over every micro-batch ``i`` of every DP
+        rank: each micro-batch's loss is backpropagated as returned, DDP sums the gradients over the DP
+        ranks, and megatron's ``finalize_model_grads`` divides them by the counts summed over the DP ranks
+        (its ``calculate_per_token_loss``). A ``loss_fn`` that returns ``(summed loss, count, metrics)``
+        (``count``: the tokens the sum is over) thus trains on the token mean over the global batch,
+        whatever the split into micro-batches and ranks; one that returns ``(loss, metrics)`` counts 1
+        per micro-batch, so the gradient is that of the mean over micro-batches and ranks.
 
         Args:
             micro_batches: each with ``input_ids`` (LongTensor[B, S]) and
@@ -499,21 +505,24 @@ class MegatronGPTBackend:
                 replayed in that micro-batch's forward, as :meth:`logprobs`; the
                 backward differentiates that same forward, no recompute), plus
                 what ``loss_fn`` reads; shapes may differ between micro-batches.
-            loss_fn: ``loss_fn(logprobs, micro_batch) -> (scalar loss, metrics)``,
-                called on the last pipeline stage with differentiable log-probs
-                (as :meth:`logprobs`); metric values are scalars.
+            loss_fn: ``loss_fn(logprobs, micro_batch) -> (summed loss, count, metrics)``
+                or ``-> (loss, metrics)``, called on the last pipeline stage with
+                differentiable log-probs (as :meth:`logprobs`); ``count`` is an int
+                (or integer scalar tensor) >= 0; metric values are scalars.
 
         Returns:
-            ``loss``: mean of this replica's micro-batch losses; ``grad_norm``: L2
-            norm of the DP-averaged gradient over all parameters (all TP and PP
-            shards), the same on every rank; ``metrics``: one dict per
-            micro-batch. Collective over the world.
+            ``loss``: this replica's ``sum(loss_i) / sum(count_i)`` (0.0 when every count is 0);
+            ``loss_weight``: its ``sum(count_i)``, so the global loss is the ``loss_weight``-weighted
+            mean over replicas; ``grad_norm``: L2 norm of the step's gradient over all parameters (all
+            TP and PP shards), the same on every rank; ``metrics``: one dict per micro-batch, with
+            ``"loss"`` that micro-batch's ``loss / max(count, 1)``. Collective over the world.
 
         Raises:
             TypeError: ``micro_batches`` is not a non-empty sequence of mappings,
-                or ``loss_fn`` returns something other than (scalar tensor, mapping).
+                or ``loss_fn`` returns something other than (scalar tensor, [count,] mapping).
             ValueError: a micro-batch lacks ``input_ids`` or ``lengths`` or has
-                out-of-range values or a bad ``routed_experts`` (as :meth:`logprobs`).
+                out-of-range values or a bad ``routed_experts`` (as :meth:`logprobs`),
+                or ``loss_fn``'s count is negative.
         """
         if isinstance(micro_batches, Mapping) or not isinstance(micro_batches, Sequence) or not micro_batches:
             raise TypeError(
@@ -532,30 +541,51 @@ class MegatronGPTBackend:
             )
             batches.append({**to_device(micro_batch, self.device), **checked})
 
-        def loss_func(micro_batch: dict[str, torch.Tensor], output: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
-            logprobs = logprobs_from_ce(output, micro_batch["lengths"])
-            result = loss_fn(logprobs, micro_batch)
-            if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
-                raise TypeError(f"'loss_fn' must return (scalar loss, metrics dict): got {type(result).__name__}")
-            loss, metrics = result
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError(f"'loss_fn' loss must be a scalar tensor: got {type(loss).__name__} "
-                                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-            reported = {"loss": float(loss.detach())}
+        def loss_func(
+            micro_batch: dict[str, torch.Tensor], output: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, tuple[Metrics, float, int]]:
+            loss, count, metrics = _loss_parts(loss_fn(logprobs_from_ce(output, micro_batch["lengths"]), micro_batch))
+            total = float(loss.detach())
+            reported = {"loss": total / max(count, 1)}
             reported.update({str(k): float(v) for k, v in metrics.items()})
-            return loss.reshape(()), reported
+            # megatron sums the counts over micro-batches and DP ranks and divides the gradients by the total.
+            return loss.reshape(()), torch.tensor(count, dtype=torch.int32, device=loss.device), (reported, total, count)
 
         with self._device_scope():
             self._policy.train()
             self._policy.zero_grad_buffer()
             self._optimizer.zero_grad()
             store = self._run(self._policy, batches, loss_func, forward_only=False, routers=self._policy_routers)
-            metrics = self._broadcast_from_last_stage(list(store) if self._is_last_stage else None)
+            parts = self._broadcast_from_last_stage(list(store) if self._is_last_stage else None)
             self._optimizer.prepare_grads()
             grad_norm = float(self._optimizer.get_grad_norm())
             self._optimizer.step_with_ready_grads()
+        weight = sum(count for _, _, count in parts)
         return {
-            "loss": sum(m["loss"] for m in metrics) / len(metrics),
+            "loss": sum(total for _, total, _ in parts) / weight if weight else 0.0,
+            "loss_weight": float(weight),
             "grad_norm": grad_norm,
-            "metrics": metrics,
+            "metrics": [reported for reported, _, _ in parts],
         }
+
+
+def _loss_parts(result: Any) -> tuple[torch.Tensor, int, Mapping[str, Any]]:
+    """``loss_fn``'s result as ``(scalar loss, count, metrics)``; a ``(loss, metrics)`` result counts 1."""
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping):
+        (loss, metrics), count = result, 1
+    elif isinstance(result, tuple) and len(result) == 3 and isinstance(result[2], Mapping):
+        loss, count, metrics = result
+        is_int_tensor = isinstance(count, torch.Tensor) and count.numel() == 1 and not count.is_floating_point()
+        if not (is_int_tensor and count.dtype != torch.bool) and (isinstance(count, bool) or not isinstance(count, int)):
+            got = f"{count.dtype} tensor of shape {tuple(count.shape)}" if isinstance(count, torch.Tensor) else type(count).__name__
+            raise TypeError(f"'loss_fn' count must be an int or an integer scalar tensor: got {got}")
+        count = int(count)
+        if count < 0:
+            raise ValueError(f"'loss_fn' count must be >= 0: got {count}")
+    else:
+        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
+        raise TypeError(f"'loss_fn' must return (summed loss, count, metrics dict) or (loss, metrics dict): got {got}")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"'loss_fn' loss must be a scalar tensor: got {type(loss).__name__} "
+                        f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+    return loss, count, metrics

@@ -174,6 +174,9 @@ def transformer_config(config: TinyGPTConfig, tp: int, pp: int) -> TransformerCo
         variable_seq_lengths=True,
         # megatron rejects its default "allgather" with variable lengths (unused by a dense model).
         moe_token_dispatcher_type="alltoall",
+        # The loss of a train step is a sum over micro-batches divided by one count over the global batch
+        # (every micro-batch of every DP rank): DDP sums gradients, finalize_model_grads divides by the count.
+        calculate_per_token_loss=True,
         **moe,
     )
 

@@ -25,11 +25,16 @@ MicroBatch = Mapping[str, torch.Tensor]
 """One micro-batch: ``input_ids`` (LongTensor[B, S]), ``lengths`` (LongTensor[B]), optionally ``routed_experts``
 (int tensor [B, S, num_layers, topk], an MoE routing to replay), plus any fields ``loss_fn`` reads."""
 Metrics = dict[str, float]
-LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Mapping[str, Any]]]
-"""``loss_fn(logprobs FloatTensor[B, S], micro_batch) -> (scalar loss, metrics)``; metrics are scalars."""
+LossFn = Callable[
+    [torch.Tensor, MicroBatch], tuple[torch.Tensor, Any, Mapping[str, Any]] | tuple[torch.Tensor, Mapping[str, Any]]
+]
+"""``loss_fn(logprobs FloatTensor[B, S], micro_batch) -> (summed loss, count, metrics)``: the step trains on the
+sum of every micro-batch's loss over the sum of their counts (int >= 0, e.g. tokens), over every DP rank; or
+``-> (loss, metrics)``, which counts 1 per micro-batch (the mean over micro-batches and ranks). Metrics are scalars."""
 StateDict = dict[str, torch.Tensor]
 TrainStepResult = dict[str, Any]
-"""``{"loss": float, "grad_norm": float, "metrics": list[Metrics]}`` (one ``Metrics`` per micro-batch)."""
+"""``{"loss": float, "loss_weight": float, "grad_norm": float, "metrics": list[Metrics]}``: the replica's summed
+losses over its summed counts, those counts, the step's grad norm, one ``Metrics`` per micro-batch."""
 
 
 @attrs.frozen
@@ -91,9 +96,10 @@ class PolicyBackend(Protocol):
         ...
 
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> TrainStepResult:
-        """Accumulate the mean loss's gradient over ``micro_batches`` (averaged over data-parallel ranks),
-        then one optimizer step; ``{"loss", "grad_norm", "metrics"}``. A micro-batch's ``routed_experts``
-        is replayed in its forward (and so in its backward) as in :meth:`logprobs`."""
+        """Accumulate the gradient of the step's loss (every micro-batch's summed loss over the counts of every
+        micro-batch of every data-parallel rank: :data:`LossFn`), then one optimizer step;
+        ``{"loss", "loss_weight", "grad_norm", "metrics"}``. A micro-batch's ``routed_experts`` is replayed in
+        its forward (and so in its backward) as in :meth:`logprobs`."""
         ...
 
     def state_dict(self) -> StateDict:

@@ -134,7 +134,8 @@ class TrainResult:
     """One ``train`` call's outcome, the same fields on both paths.
 
     Attributes:
-        loss: per optimizer step, the mean over DP ranks of each replica's mean micro-batch loss.
+        loss: per optimizer step, the loss over the global batch: the ranks' losses weighted by their
+            ``loss_weight`` (the token mean, for a loss that counts tokens), else their mean.
         grad_norm: per optimizer step, the norm of the DP-averaged gradient.
         micro_batch_metrics: per DP rank, per step, one metrics dict per micro-batch.
         micro_batches: per DP rank, the micro-batch count of each step.
@@ -323,10 +324,16 @@ def merge_train(results: Sequence[Mapping[str, Any]]) -> TrainResult:
     """One result per DP rank (the replica leaders') -> :class:`TrainResult`.
 
     Each result holds ``loss`` and ``grad_norm`` (one per optimizer step),
-    ``metrics``, ``micro_batches`` and ``forward_seq_length``.
+    ``metrics``, ``micro_batches`` and ``forward_seq_length``, and may hold
+    ``loss_weight`` (one per step: the count the rank's loss is a mean over, as
+    the backend's train step reports it). With weights on every rank, a step's
+    loss is the weighted mean over ranks (0.0 when the weights sum to 0): the
+    token mean over the global batch. Without, it is the plain mean.
 
     Raises:
-        ValueError: ranks ran different numbers of steps (or there are no results).
+        ValueError: ranks ran different numbers of steps (or there are no
+            results); some ranks give ``loss_weight`` and others not, or a
+            rank gives one weight per step of another count, or a negative weight.
 
     Example:
         >>> r = {"loss": [1.0], "grad_norm": [0.5], "metrics": [[{}]], "micro_batches": [1], "forward_seq_length": 8}
@@ -338,9 +345,28 @@ def merge_train(results: Sequence[Mapping[str, Any]]) -> TrainResult:
         raise ValueError(f"every DP rank must run the same number of steps: got {[len(r['loss']) for r in results]}")
     (steps,) = counts
     return TrainResult(
-        loss=tuple(sum(r["loss"][s] for r in results) / len(results) for s in range(steps)),
+        loss=_merged_loss(results, steps),
         grad_norm=tuple(results[0]["grad_norm"]),
         micro_batch_metrics=tuple(tuple(r["metrics"]) for r in results),
         micro_batches=tuple(tuple(r["micro_batches"]) for r in results),
         forward_seq_lengths=tuple(int(r["forward_seq_length"]) for r in results),
     )
+
+
+def _merged_loss(results: Sequence[Mapping[str, Any]], steps: int) -> tuple[float, ...]:
+    """Per step, the ``loss_weight``-weighted mean of the ranks' losses, or their mean without weights."""
+    weighted = ["loss_weight" in r for r in results]
+    if not any(weighted):
+        return tuple(sum(r["loss"][s] for r in results) / len(results) for s in range(steps))
+    if not all(weighted):
+        raise ValueError(f"'loss_weight' must be given by every DP rank or none: got it from ranks "
+                         f"{[i for i, w in enumerate(weighted) if w]} of {len(results)}")
+    for rank, r in enumerate(results):
+        if len(r["loss_weight"]) != steps or any(not w >= 0 for w in r["loss_weight"]):
+            raise ValueError(f"'loss_weight' of rank {rank} must be {steps} values >= 0 (one per step): "
+                             f"got {list(r['loss_weight'])}")
+    merged = []
+    for s in range(steps):
+        total = sum(r["loss_weight"][s] for r in results)
+        merged.append(sum(r["loss"][s] * r["loss_weight"][s] for r in results) / total if total else 0.0)
+    return tuple(merged)

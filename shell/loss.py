@@ -7,9 +7,12 @@ masked k3 KL to the reference policy), or, for async GRPO (``is_cap`` set),
 field names a micro-batch carries (:mod:`core.fields`) and makes it a
 picklable callable for the backend's train step.
 
-Invariant: the loss reads exactly the fields in ``GRPOLoss.input_fields``
+Invariants: the loss reads exactly the fields in ``GRPOLoss.input_fields``
 (besides the log-probs the backend passes in), so a caller can fetch those
-and nothing more.
+and nothing more. A call returns the micro-batch's *summed* token loss and
+its token count; the backend divides the step's sums by the count over every
+micro-batch of every DP rank, so the step trains on the token mean over the
+global batch and a token weighs the same however the rows are split.
 """
 
 from __future__ import annotations
@@ -36,7 +39,12 @@ def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: Any) ->
 
 @attrs.frozen
 class GRPOLoss:
-    """``loss_fn(logprobs, micro_batch) -> (loss, metrics)`` for GRPO (token-level mean, DAPO clip bounds).
+    """``loss_fn(logprobs, micro_batch) -> (summed loss, tokens, metrics)`` for GRPO (DAPO clip bounds).
+
+    ``summed loss`` is the sum over the micro-batch's counted tokens of the per-token loss and ``tokens``
+    (an int64 scalar tensor) their number; the backend's train step divides the sums of a step by the
+    tokens of the whole global batch (every micro-batch, every DP rank): DAPO's token-level mean.
+    The metrics (``policy_loss``, ``kl``, ``clip_fraction``, ...) are this micro-batch's token means.
 
     Args:
         clip_low: the ratio is clipped below at ``1 - clip_low`` (in [0, 1]).
@@ -54,7 +62,8 @@ class GRPOLoss:
 
     Raises:
         TypeError: a coefficient is not a number.
-        ValueError: a coefficient is negative (``clip_low > 1`` is rejected on the first call).
+        ValueError: a coefficient is negative (``clip_low > 1`` is rejected on the first call); on a
+            call, the token mask times the sample mask holds a value other than 0 or 1.
 
     Example:
         >>> loss_fn = GRPOLoss(clip_low=0.2, clip_high=0.28, kl_coef=0.0)
@@ -87,11 +96,14 @@ class GRPOLoss:
             fields += (GENERATION_LOGPROBS, VERSION_LAG)
         return fields + (REFERENCE_LOGPROBS,) if self.kl_coef > 0 else fields
 
-    def __call__(self, logprobs: torch.Tensor, micro_batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        """The micro-batch's loss and its float metrics.
+    def __call__(
+        self, logprobs: torch.Tensor, micro_batch: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """The micro-batch's summed token loss, its token count and its float metrics (token means).
 
         Raises:
             KeyError: a field of ``input_fields`` is missing from ``micro_batch``.
+            ValueError: the token mask (times the sample mask) holds a value other than 0 or 1.
         """
         missing = [name for name in self.input_fields if name not in micro_batch]
         if missing:
@@ -100,6 +112,7 @@ class GRPOLoss:
         if self.sample_mask:
             rows = micro_batch[SAMPLE_MASK]
             mask = mask.to(rows.dtype) * rows.reshape(-1, *([1] * (mask.dim() - 1)))
+        tokens = _token_count(mask)
         if self.is_cap is None:
             loss, metrics = clipped_policy_loss(
                 logprobs,
@@ -108,6 +121,7 @@ class GRPOLoss:
                 mask,
                 clip_low=self.clip_low,
                 clip_high=self.clip_high,
+                normalizer=1.0,
             )
         else:
             proximal = micro_batch[PREV_LOGPROBS]
@@ -121,11 +135,28 @@ class GRPOLoss:
                 clip_low=self.clip_low,
                 clip_high=self.clip_high,
                 is_cap=self.is_cap,
+                normalizer=1.0,
             )
         out = {name: float(value) for name, value in metrics.items()}
+        per_token = 1.0 / max(int(tokens), 1)
         if self.kl_coef > 0:
-            kl = masked_kl_k3(logprobs, micro_batch[REFERENCE_LOGPROBS], mask)
+            kl = masked_kl_k3(logprobs, micro_batch[REFERENCE_LOGPROBS], mask, normalizer=1.0)
             loss = loss + self.kl_coef * kl
-            out["kl"] = float(kl.detach())
-        out["policy_loss"] = float(loss.detach())
-        return loss, out
+            out["kl"] = float(kl.detach()) * per_token
+        out["policy_loss"] = float(loss.detach()) * per_token
+        return loss, tokens, out
+
+
+def _token_count(mask: torch.Tensor) -> torch.Tensor:
+    """The number of counted tokens (an int64 scalar tensor) of a 0/1 token mask.
+
+    Raises:
+        ValueError: ``mask`` holds another value (a weight would make the count and the sum disagree).
+    """
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        bad = mask[(mask != 0) & (mask != 1)]
+        raise ValueError(
+            f"'token_mask' (times 'sample_mask') must hold only 0 and 1: got {bad.numel()} other values, "
+            f"e.g. {float(bad.flatten()[0])}"
+        )
+    return (mask != 0).sum()

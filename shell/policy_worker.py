@@ -429,6 +429,7 @@ class PolicyWorker(ModelWorker):
             **self._stats(batch, plan),
             COMPUTE_SECONDS: computed,
             "loss": [s["loss"] for s in steps],
+            "loss_weight": [s["loss_weight"] for s in steps],
             "grad_norm": [s["grad_norm"] for s in steps],
             "metrics": [s["metrics"] for s in steps],
             **shard.deliver(self, {}),

@@ -88,6 +88,14 @@ def _loss_fn(logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Ten
     return -logprobs.sum() / tokens, {"tokens": float(tokens)}
 
 
+def _token_sum_loss_fn(logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Summed negative log-likelihood and its token count: the backend trains on the global token mean."""
+    return -logprobs.sum(), (micro_batch["lengths"] - 1).sum(), {}
+
+
+WHOLE_BATCH = [{"input_ids": INPUT_IDS, "lengths": LENGTHS}]  # MICRO_BATCHES' rows as one micro-batch
+
+
 def _backend(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = SEED) -> MegatronGPTBackend:
     return MegatronGPTBackend(CONFIG, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, seed=seed)
 
@@ -175,6 +183,15 @@ def _single_rank(rank: int, inputs: Results) -> Results:
     one_step = _backend()
     out["one_step"] = {"result": one_step.train_step(MICRO_BATCHES, _loss_fn), "state": one_step.state_dict()}
 
+    # The token-mean law: one step on the rows split into micro-batches or not reaches one state.
+    out["token_mean"] = {}
+    for name, batches, loss_fn in (
+        ("split", MICRO_BATCHES, _token_sum_loss_fn), ("whole", WHOLE_BATCH, _token_sum_loss_fn),
+        ("mean_whole", WHOLE_BATCH, _loss_fn),
+    ):
+        stepped = _backend()
+        out["token_mean"][name] = {"result": stepped.train_step(batches, loss_fn), "state": stepped.state_dict()}
+
     out["steps"] = [backend.train_step(MICRO_BATCHES, _loss_fn) for _ in range(STEPS)]
     out["twin_steps"] = [twin.train_step(MICRO_BATCHES, _loss_fn) for _ in range(STEPS)]
     out["trained_state"] = backend.state_dict()
@@ -234,6 +251,11 @@ def _single_rank(rank: int, inputs: Results) -> Results:
         "loss_not_scalar": _capture(
             lambda: backend.train_step(MICRO_BATCHES[:1], lambda lp, mb: (lp.sum(dim=1), {}))
         ),
+        "count_negative": _capture(lambda: backend.train_step(MICRO_BATCHES[:1], lambda lp, mb: (lp.sum(), -1, {}))),
+        "count_float": _capture(
+            lambda: backend.train_step(MICRO_BATCHES[:1], lambda lp, mb: (lp.sum(), torch.tensor(2.0), {}))
+        ),
+        "four_parts": _capture(lambda: backend.train_step(MICRO_BATCHES[:1], lambda lp, mb: (lp.sum(), 1, 2, {}))),
         "state_missing_key": _capture(lambda: backend.load_state_dict(missing)),
         "state_wrong_shape": _capture(lambda: backend.load_state_dict(reshaped)),
     }
@@ -364,7 +386,12 @@ def _data_parallel(rank: int, inputs: Results) -> Results:
     backend = _backend(pipeline_parallel=inputs["pipeline_parallel"])
     coords = backend.parallel_coords()
     result = backend.train_step([MICRO_BATCHES[coords["data_parallel"]]], _loss_fn)
-    return {"coords": coords, "result": result, "state": backend.state_dict(), "data_parallel": backend.data_parallel}
+    token_sum = _backend(pipeline_parallel=inputs["pipeline_parallel"])
+    token_result = token_sum.train_step([MICRO_BATCHES[coords["data_parallel"]]], _token_sum_loss_fn)
+    return {
+        "coords": coords, "result": result, "state": backend.state_dict(), "data_parallel": backend.data_parallel,
+        "token_sum": {"result": token_result, "state": token_sum.state_dict()},
+    }
 
 
 SCENARIOS: dict[str, Callable[[int, Results], Results]] = {
@@ -716,6 +743,35 @@ def test_train_step_rejects_malformed_micro_batches_and_losses(single: Results) 
         _reraise(errors["micro_batch_without_lengths"])
     with pytest.raises(TypeError, match=r"'loss_fn' loss must be a scalar tensor: got Tensor \(2,\)"):
         _reraise(errors["loss_not_scalar"])
+    with pytest.raises(ValueError, match=r"'loss_fn' count must be >= 0: got -1"):
+        _reraise(errors["count_negative"])
+    with pytest.raises(TypeError, match=r"'loss_fn' count must be an int or an integer scalar tensor: got torch.float32"):
+        _reraise(errors["count_float"])
+    with pytest.raises(TypeError, match=r"'loss_fn' must return \(summed loss, count, metrics dict\) .*: got a tuple of 4"):
+        _reraise(errors["four_parts"])
+
+
+def test_a_summed_loss_trains_on_the_token_mean_whatever_the_micro_batch_split(single: Results) -> None:
+    """With (summed loss, token count), one step on the rows in two micro-batches of unequal token counts takes the
+    gradient of one step on them as one micro-batch; the mean-form loss (count 1 each) weights micro-batches, not
+    tokens, so its gradient differs. The reported loss is the token mean, with the tokens as its weight.
+
+    The grad norm is the check: Adam's first step is about ``lr * sign(grad)`` per weight, so the states show a
+    weighting only where a gradient changes sign, and components whose gradient is 0 in exact arithmetic (the key
+    bias) move by rounding noise; the states are compared at a tolerance (1e-4, a tenth of ``lr``) above that."""
+    runs = single["token_mean"]
+    tokens = [int((mb["lengths"] - 1).sum()) for mb in MICRO_BATCHES]
+    assert tokens[0] != tokens[1]  # else the two reductions agree
+    assert runs["split"]["result"]["grad_norm"] == pytest.approx(runs["whole"]["result"]["grad_norm"], rel=1e-6)
+    assert runs["whole"]["result"]["grad_norm"] == pytest.approx(runs["mean_whole"]["result"]["grad_norm"], rel=1e-6)
+    assert single["one_step"]["result"]["grad_norm"] != pytest.approx(runs["split"]["result"]["grad_norm"], rel=1e-2)
+    assert _states_close(runs["split"]["state"], runs["whole"]["state"], atol=1e-4)
+    assert runs["split"]["result"]["loss_weight"] == sum(tokens) == runs["whole"]["result"]["loss_weight"]
+    assert runs["split"]["result"]["loss"] == pytest.approx(runs["whole"]["result"]["loss"], rel=1e-6)
+    assert runs["whole"]["result"]["loss"] == pytest.approx(runs["mean_whole"]["result"]["loss"], rel=1e-6)
+    per_micro_batch = [m["loss"] for m in runs["split"]["result"]["metrics"]]
+    assert per_micro_batch == pytest.approx([m["loss"] for m in single["one_step"]["result"]["metrics"]], rel=1e-6)
+    assert single["one_step"]["result"]["loss_weight"] == len(MICRO_BATCHES)
 
 
 def test_load_state_dict_rejects_missing_keys_and_wrong_shapes(single: Results) -> None:
@@ -824,6 +880,19 @@ def test_data_parallel_averages_gradients_and_keeps_replicas_identical(
     own = [rank["result"]["loss"] for rank in data_parallel[:2]]  # ranks 0 and 1: stage 0 of replicas 0 and 1
     assert own == pytest.approx([m["loss"] for m in single["one_step"]["result"]["metrics"]], rel=1e-6)
     assert _states_close(data_parallel[0]["state"], single["one_step"]["state"], atol=1e-6)
+
+
+def test_data_parallel_divides_a_summed_loss_by_the_token_count_over_every_rank(
+    single: Results, data_parallel: list[Results]
+) -> None:
+    """Replicas stepping on one micro-batch each with (summed loss, tokens) reach the single rank's state after one
+    step on the whole batch: the count is summed over the DP ranks, not each replica's own."""
+    whole = single["token_mean"]["whole"]
+    for rank in data_parallel:
+        assert rank["token_sum"]["result"]["grad_norm"] == pytest.approx(whole["result"]["grad_norm"], rel=1e-6)
+        assert _states_close(rank["token_sum"]["state"], whole["state"], atol=1e-4)  # see the token-mean law above
+    own = [rank["token_sum"]["result"]["loss_weight"] for rank in data_parallel[:2]]
+    assert own == [float((mb["lengths"] - 1).sum()) for mb in MICRO_BATCHES]
 
 
 @pytest.mark.parametrize(

@@ -203,17 +203,21 @@ def test_micro_batch_spans_rejects_spans_that_do_not_tile() -> None:
 
 
 def test_grpo_loss_matches_core_and_pickles() -> None:
-    """GRPOLoss is core's clipped loss (plus kl_coef * k3 KL), and survives pickling."""
+    """GRPOLoss is core's clipped loss (plus kl_coef * k3 KL) summed over its tokens, with their count, and survives
+    pickling."""
     g = torch.Generator().manual_seed(0)
     lp, prev, ref = (torch.randn(3, 5, generator=g) for _ in range(3))
     batch = {"prev_logprobs": prev, "advantages": torch.randn(3, generator=g), "token_mask": torch.rand(3, 5, generator=g) > 0.5,
              "reference_policy_logprobs": ref}
     loss_fn = pickle.loads(pickle.dumps(GRPOLoss(clip_low=0.2, clip_high=0.28, kl_coef=0.0)))
-    loss, metrics = loss_fn(lp, batch)
+    loss, tokens, metrics = loss_fn(lp, batch)
     expected, _ = clipped_policy_loss(lp, prev, batch["advantages"], batch["token_mask"], clip_low=0.2, clip_high=0.28)
-    assert torch.equal(loss, expected) and "kl" not in metrics
-    with_kl, metrics = GRPOLoss(kl_coef=0.5)(lp, batch)
-    assert metrics["kl"] > 0 and with_kl.item() == pytest.approx(clipped_policy_loss(lp, prev, batch["advantages"], batch["token_mask"])[0].item() + 0.5 * metrics["kl"])
+    assert int(tokens) == int(batch["token_mask"].sum()) and "kl" not in metrics
+    assert float(loss / tokens) == pytest.approx(float(expected), rel=1e-6)  # the summed loss over its tokens
+    assert metrics["policy_loss"] == pytest.approx(float(expected), rel=1e-6)
+    with_kl, tokens, metrics = GRPOLoss(kl_coef=0.5)(lp, batch)
+    mean = clipped_policy_loss(lp, prev, batch["advantages"], batch["token_mask"])[0].item() + 0.5 * metrics["kl"]
+    assert metrics["kl"] > 0 and (with_kl / tokens).item() == pytest.approx(mean, rel=1e-6)
     assert GRPOLoss(kl_coef=0.5).input_fields[-1] == "reference_policy_logprobs"
 
 

@@ -6,7 +6,7 @@
 trip; ``micro_batch_spans`` reading back every shard's tiling; ``kept_rows`` as
 a partition of what stays and what travels between the two shardings, and
 ``check_kept_rows`` accepting exactly that; ``legacy_meta``;
-``merge_train`` as a per-step mean over ranks.
+``merge_train`` as a per-step mean over ranks, or with ``loss_weight`` the token mean over the global batch.
 """
 
 from __future__ import annotations
@@ -270,6 +270,43 @@ def test_merge_train_averages_loss_over_ranks_and_keeps_per_rank_fields(results:
 def test_merge_train_of_one_rank_is_that_rank(results: list[dict]) -> None:
     """With one DP rank, the merged loss is that rank's loss, step by step."""
     assert merge_train(results[:1]).loss == tuple(results[0]["loss"])
+
+
+@given(st.lists(st.lists(st.lists(st.floats(-100, 100, width=32), max_size=6), min_size=1, max_size=3), min_size=1, max_size=4))
+def test_merge_train_with_loss_weights_is_the_token_mean_over_every_rank(tokens: list[list[list[float]]]) -> None:
+    """Ranks reporting each step's token-mean loss and token count merge to the mean over all ranks' tokens
+    (0.0 for a step without tokens), however the tokens are spread over ranks."""
+    steps = min(len(rank) for rank in tokens)
+    results = [
+        {
+            "loss": [math.fsum(rank[s]) / len(rank[s]) if rank[s] else 0.0 for s in range(steps)],
+            "loss_weight": [float(len(rank[s])) for s in range(steps)],
+            "grad_norm": [0.0] * steps, "metrics": [[]] * steps, "micro_batches": [1] * steps, "forward_seq_length": 4,
+        }
+        for rank in tokens
+    ]
+    for s, merged in enumerate(merge_train(results).loss):
+        every = [t for rank in tokens for t in rank[s]]
+        assert merged == pytest.approx(math.fsum(every) / len(every) if every else 0.0, rel=1e-9, abs=1e-9)
+
+
+@given(train_results(), st.floats(0.5, 100))
+def test_merge_train_with_equal_loss_weights_is_the_mean(results: list[dict], weight: float) -> None:
+    """Equal weights on every rank (a mean-form loss, one count per micro-batch, equal micro-batch counts) give
+    the plain mean over ranks."""
+    weighted = [{**r, "loss_weight": [weight] * len(r["loss"])} for r in results]
+    assert merge_train(weighted).loss == pytest.approx(merge_train(results).loss, rel=1e-9, abs=1e-9)
+
+
+def test_merge_train_rejects_loss_weights_on_some_ranks_or_of_another_count() -> None:
+    """``loss_weight`` comes from every rank or none, one value >= 0 per step."""
+    one = {"loss": [1.0], "grad_norm": [0.1], "metrics": [[]], "micro_batches": [1], "forward_seq_length": 4}
+    with pytest.raises(ValueError, match=r"'loss_weight' must be given by every DP rank or none: got it from ranks \[1\] of 2"):
+        merge_train([one, {**one, "loss_weight": [3.0]}])
+    with pytest.raises(ValueError, match=r"'loss_weight' of rank 0 must be 1 values >= 0 \(one per step\): got \[1.0, 2.0\]"):
+        merge_train([{**one, "loss_weight": [1.0, 2.0]}])
+    with pytest.raises(ValueError, match=r"'loss_weight' of rank 0 must be 1 values >= 0 \(one per step\): got \[-1.0\]"):
+        merge_train([{**one, "loss_weight": [-1.0]}])
 
 
 def test_merge_train_rejects_ranks_with_different_step_counts() -> None:
