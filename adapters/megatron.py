@@ -97,6 +97,9 @@ class MegatronGPTBackend:
         device: ``"cpu"`` (applies :func:`adapters.megatron_cpu.apply_cpu_shim`
             in this process) or ``"cuda"`` (the caller has set this rank's device).
         learning_rate: Adam's step size (no weight decay, no clipping).
+        group_timeout_s: the timeout (seconds) of megatron's own process groups (TP, PP, DP, ...), as
+            the caller gave its world group; None leaves megatron's default, 30 minutes. A collective
+            whose peer is gone fails after this long instead of blocking.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised, or megatron's
@@ -122,6 +125,7 @@ class MegatronGPTBackend:
         seed: int,
         device: str = "cpu",
         learning_rate: float = 1e-3,
+        group_timeout_s: float | None = None,
     ) -> None:
         if not isinstance(config, TinyGPTConfig):
             raise TypeError(f"'config' must be TinyGPTConfig: got {type(config).__name__}")
@@ -143,6 +147,11 @@ class MegatronGPTBackend:
             raise TypeError(f"'learning_rate' must be float: got {type(learning_rate).__name__} ({learning_rate!r})")
         if not learning_rate > 0:
             raise ValueError(f"'learning_rate' must be positive: got {learning_rate!r}")
+        if group_timeout_s is not None and (
+            isinstance(group_timeout_s, bool) or not isinstance(group_timeout_s, (int, float))
+            or not 0 < group_timeout_s < float("inf")
+        ):
+            raise ValueError(f"'group_timeout_s' must be a number of seconds > 0 or None: got {group_timeout_s!r}")
         setup.check_divides("tensor_parallel", tp, "num_attention_heads", config.num_attention_heads)
         setup.check_divides("tensor_parallel", tp, "vocab_size", config.vocab_size)
         setup.check_divides("pipeline_parallel", pp, "num_layers", config.num_layers)
@@ -162,7 +171,7 @@ class MegatronGPTBackend:
         if device == "cpu":
             apply_cpu_shim()
         with self._device_scope():
-            setup.init_parallel_state(tp, pp)
+            setup.init_parallel_state(tp, pp, timeout_s=group_timeout_s)
             self._tp_group = parallel_state.get_tensor_model_parallel_group()
             self._sequence_shard: routing.SequenceShard = (
                 (parallel_state.get_tensor_model_parallel_rank(), tp) if self._sequence_parallel

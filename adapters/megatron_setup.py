@@ -83,8 +83,10 @@ def check_divides(name: str, size: int, what: str, total: int) -> None:
         raise ValueError(f"'{name}' ({size}) must divide {what}: got {what} = {total}")
 
 
-def init_parallel_state(tp: int, pp: int) -> None:
+def init_parallel_state(tp: int, pp: int, *, timeout_s: float | None = None) -> None:
     """Set up megatron's model-parallel groups in :data:`ORDER`; a no-op when set up with these sizes.
+
+    ``timeout_s`` is every group's timeout (None: megatron's default, 30 minutes).
 
     Raises:
         RuntimeError: the state is already set up with other sizes.
@@ -100,8 +102,9 @@ def init_parallel_state(tp: int, pp: int) -> None:
                 f"= {got}: expected ({tp}, {pp}); call parallel_state.destroy_model_parallel() first"
             )
         return
+    timeout: dict[str, float] = {} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order=ORDER
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order=ORDER, **timeout
     )
 
 

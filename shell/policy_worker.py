@@ -190,6 +190,7 @@ class PolicyWorker(ModelWorker):
             seed=self.config.seed,
             device=self.config.device,
             learning_rate=self.config.learning_rate,
+            group_timeout_s=self.pg_timeout_s,  # megatron's own groups (TP, PP, DP) fail as the world's do
         )
 
     @on_all_ranks

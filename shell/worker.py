@@ -118,6 +118,7 @@ class Worker:
 
     _placement: Placement | None = None
     _replica_group: dist.ProcessGroup | None = None
+    _pg_timeout_s: float | None = None
 
     # ------------------------------------------------------------ set-up (called by the group)
 
@@ -172,6 +173,7 @@ class Worker:
                 mine = group
         self._placement = placement
         self._replica_group = mine
+        self._pg_timeout_s = timeout_s
 
     @on_all_ranks
     def process_id(self) -> int:
@@ -209,6 +211,11 @@ class Worker:
                 "move rank-dependent set-up into an @on_all_ranks method the driver calls with group.call(...)"
             )
         return self._placement
+
+    @property
+    def pg_timeout_s(self) -> float | None:
+        """The timeout (seconds) of this worker's process groups; None before it joined one."""
+        return self._pg_timeout_s
 
     @property
     def rank(self) -> Rank:

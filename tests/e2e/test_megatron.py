@@ -394,7 +394,19 @@ def _data_parallel(rank: int, inputs: Results) -> Results:
     }
 
 
+def _group_timeout(rank: int, inputs: Results) -> Results:
+    """TP=2 with megatron's groups timing out after 3 s: rank 0 scores a batch, rank 1 never joins the all-reduce."""
+    backend = MegatronGPTBackend(CONFIG, tensor_parallel=2, pipeline_parallel=1, seed=SEED, group_timeout_s=3.0)
+    out: Results = {}
+    if rank == 0:
+        began = time.monotonic()
+        out["error"] = _capture(lambda: backend.logprobs(INPUT_IDS, LENGTHS))
+        out["seconds"] = time.monotonic() - began
+    return out
+
+
 SCENARIOS: dict[str, Callable[[int, Results], Results]] = {
+    "group_timeout": _group_timeout,
     "single_rank": _single_rank,
     "model_parallel": _model_parallel,
     "data_parallel": _data_parallel,
@@ -880,6 +892,20 @@ def test_data_parallel_averages_gradients_and_keeps_replicas_identical(
     own = [rank["result"]["loss"] for rank in data_parallel[:2]]  # ranks 0 and 1: stage 0 of replicas 0 and 1
     assert own == pytest.approx([m["loss"] for m in single["one_step"]["result"]["metrics"]], rel=1e-6)
     assert _states_close(data_parallel[0]["state"], single["one_step"]["state"], atol=1e-6)
+
+
+def test_megatrons_groups_time_out_after_the_given_group_timeout(world_dir: Path) -> None:
+    """A TP collective whose peer never comes fails after ``group_timeout_s`` (3 s), not megatron's 30 minutes."""
+    rank0 = _run_world(2, "group_timeout", world_dir)[0]
+    assert isinstance(rank0["error"], RuntimeError), rank0["error"]
+    assert 2.5 < rank0["seconds"] < 30, rank0["seconds"]
+
+
+def test_group_timeout_must_be_positive_seconds() -> None:
+    """A non-positive, infinite or non-number group timeout is refused before anything is set up."""
+    for bad in (0, -1.0, float("inf"), True, "3"):
+        with pytest.raises(ValueError, match=r"'group_timeout_s' must be a number of seconds > 0 or None: got"):
+            MegatronGPTBackend(CONFIG, tensor_parallel=1, pipeline_parallel=1, seed=SEED, group_timeout_s=bad)
 
 
 def test_data_parallel_divides_a_summed_loss_by_the_token_count_over_every_rank(
