@@ -122,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
         return EXIT_USAGE
     run_dir, checkpoint, first = plan.path, plan.checkpoint, plan.first_step
-    save_run_config(config, run_dir / CONFIG_FILE)
+    if not plan.continues:  # a continued run keeps its own config.yaml until this one has started
+        save_run_config(config, run_dir / CONFIG_FILE)
     total = config.grpo.num_steps
     mode = config.run.progress
     path = "data plane (" + config.data_plane.backend.value + ")" if config.data_plane.enabled else "legacy"
@@ -144,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if checkpoint is not None:
                     trainer.load_policy_state(checkpoint["weights"])
                     console.print(f"  resumed from step {checkpoint['step']}", highlight=False)
+                if plan.continues:
+                    save_run_config(config, run_dir / CONFIG_FILE)
                 progress: Any = contextlib.nullcontext()
                 if mode != ProgressMode.off:
                     progress = RunProgress(

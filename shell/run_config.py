@@ -206,6 +206,16 @@ def run_config_from_dict(data: Mapping[str, Any]) -> RunConfig:
     return _build(RunConfig, read_document(dump(data), "<dict>"), "", "the mapping")
 
 
+def run_config_from_text(text: str, source: str) -> RunConfig:
+    """A checked config from YAML ``text`` with every key (as :func:`dump_run_config` writes, e.g. the one a
+    checkpoint holds); ``source`` names it in errors.
+
+    Raises:
+        ConfigError: as :func:`load_run_config`.
+    """
+    return _build(RunConfig, read_document(text, source), "", source)
+
+
 # ---------------------------------------------------------------- writing and describing
 
 

@@ -36,7 +36,8 @@ import torch
 
 from shell.config_error import ConfigError
 from shell.config_schema import RunConfig
-from shell.grpo_trainer import CHECKPOINT_FILE, load_checkpoint
+from shell.grpo_trainer import CHECKPOINT_FILE, build_task, load_checkpoint, model_config
+from shell.run_config import run_config_from_text
 from shell.run_log import keep_steps_through
 
 METRICS_FILE = "metrics.jsonl"
@@ -73,12 +74,14 @@ def plan_run_dir(config: RunConfig, resume: str | None) -> RunDir:
     Raises:
         ConfigError: ``run.dir`` is a file, lies under a file, or holds an earlier
             run (without ``--resume`` or ``run.overwrite``); the checkpoint is
-            missing, unreadable or not a GRPO checkpoint (``--resume``); or
-            ``grpo.num_steps`` does not exceed the checkpoint's step.
+            missing, unreadable or not a GRPO checkpoint, or its run's model differs
+            from this config's (``--resume``); or ``grpo.num_steps`` does not exceed
+            the checkpoint's step.
     """
     checkpoint, first = None, 1
     if resume is not None:
         checkpoint = read_checkpoint(resume)
+        _check_same_model(config, checkpoint, _checkpoint_file(resume))
         step = checkpoint["step"]
         first = step + 1
         if config.grpo.num_steps < first:
@@ -167,6 +170,42 @@ def read_checkpoint(resume: str) -> Mapping[str, Any]:
     if not isinstance(weights, dict) or not weights or not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise ConfigError("--resume", f"{file} is not a GRPO checkpoint: 'weights' must map names to tensors")
     return data
+
+
+_MODEL_KEYS = {
+    "hidden_size": "policy.model.hidden_size", "num_layers": "policy.model.num_layers",
+    "num_attention_heads": "policy.model.num_attention_heads",
+    "max_sequence_length": "policy.model.max_sequence_length", "num_experts": "policy.model.num_experts",
+    "moe_topk": "policy.model.moe_topk",
+}
+"""The model's sizes set by a config key of the same name (``vocab_size`` comes from the task and the TP size)."""
+
+
+def _check_same_model(config: RunConfig, checkpoint: Mapping[str, Any], file: Path) -> None:
+    """Nothing when the checkpoint's run built the model ``config`` builds (or its config no longer reads: an
+    older schema or a task that does not load here, and the weights are checked when they load); else a
+    ConfigError naming ``--resume`` and every size that differs, with the keys that would match it."""
+    stored = checkpoint.get("config")
+    if not isinstance(stored, str) or not stored.strip():
+        return
+    try:
+        theirs = run_config_from_text(stored, f"the config in {file}")
+    except ConfigError:
+        return
+    was, now = model_config(theirs, build_task(theirs)), model_config(config, build_task(config))
+    if was == now:
+        return
+    differ = [name for name in attrs.fields_dict(type(now)) if getattr(was, name) != getattr(now, name)]
+    set_by_keys = [name for name in differ if name in _MODEL_KEYS or name == "vocab_size"]
+    differ = set_by_keys or differ  # sizes derived from those (ffn_hidden_size) only when nothing else differs
+    sizes = ", ".join(f"{name} {getattr(was, name)} (checkpoint) vs {getattr(now, name)} (this config)" for name in differ)
+    keys = [f"{_MODEL_KEYS[name]}={getattr(was, name)}" for name in differ if name in _MODEL_KEYS]
+    if "vocab_size" in differ:
+        keys.append("the checkpoint's task.name, task.kwargs and policy.layout.tensor_parallel (they set vocab_size)")
+    raise ConfigError(
+        "--resume",
+        f"{file} holds a model of other sizes than this config builds: {sizes}; resume with " + ", ".join(keys),
+    )
 
 
 def _checkpoint_file(resume: str) -> Path:

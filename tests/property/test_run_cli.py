@@ -76,6 +76,14 @@ def _checkpoint(path: Path, step: int = 3) -> Path:
     return path
 
 
+def _other_model(tmp: Path) -> list[str]:
+    run = tmp / "small"
+    run.mkdir()
+    config = dump_run_config(load_run_config(["policy.model.hidden_size=32", "policy.model.num_layers=3"]))
+    torch.save({"step": 3, "weights": {"w": torch.ones(2)}, "config": config}, run / "checkpoint.pt")
+    return ["--resume", str(run), "grpo.num_steps=8"]
+
+
 def _truncated(tmp: Path) -> list[str]:
     data = (_checkpoint(tmp / "good") / "checkpoint.pt").read_bytes()
     (tmp / "cut").mkdir()
@@ -125,6 +133,9 @@ BAD_INPUTS: list[tuple[str, Argv, str, str]] = [
     ("--resume garbage", _garbage, "--resume", "is not a readable checkpoint"),
     ("--resume not a checkpoint", _foreign, "--resume", "is not a GRPO checkpoint: expected keys step, weights"),
     ("--resume nothing there", lambda t: ["--resume", str(t / "nowhere")], "--resume", "must name a run folder"),
+    ("--resume another model", _other_model, "--resume",
+     "holds a model of other sizes than this config builds: hidden_size 32 (checkpoint) vs 64 (this config), "
+     "num_layers 3 (checkpoint) vs 2 (this config); resume with policy.model.hidden_size=32, policy.model.num_layers=3"),
     ("--resume num_steps <= step", lambda t: ["--resume", str(_checkpoint(t / "r", step=5)), "grpo.num_steps=5"],
      "grpo.num_steps", "must exceed the checkpoint's step 5 to resume"),
     ("micro_batch_tokens=1", lambda t: ["policy.micro_batch_tokens=1"], "policy.micro_batch_tokens",
@@ -336,6 +347,45 @@ def test_importing_the_run_command_leaves_matplotlib_for_the_plot() -> None:
     code = "import json, sys, shell.run\nprint(json.dumps('matplotlib' in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) is False
+
+
+def test_plan_run_dir_resumes_a_checkpoint_of_the_same_model_and_names_another_vocabulary(tmp_path: Path) -> None:
+    """A checkpoint whose run built this config's model resumes (other keys may change: num_steps, seed,
+    learning rate); one whose task gave another vocabulary is refused, naming the keys that set it; one whose
+    config no longer reads (an older schema) is left to the weights' own check at load."""
+    from shell.run_dir import plan_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = dump_run_config(load_run_config(["seed=3", "policy.learning_rate=0.01"]))
+    torch.save({"step": 3, "weights": {"w": torch.ones(1)}, "config": saved}, run / "checkpoint.pt")
+    assert plan_run_dir(load_run_config(["grpo.num_steps=8"]), str(run)).first_step == 4
+    with pytest.raises(ConfigError, match=r"vocab_size 16 \(checkpoint\) vs 8 \(this config\); resume with the checkpoint's "
+                                          r"task.name, task.kwargs and policy.layout.tensor_parallel"):
+        plan_run_dir(load_run_config(["grpo.num_steps=8", "task.name=reverse"]), str(run))
+    torch.save({"step": 3, "weights": {"w": torch.ones(1)}, "config": "grpo:\n  num_steps: 3\n"}, run / "checkpoint.pt")
+    assert plan_run_dir(load_run_config(["grpo.num_steps=8"]), str(run)).first_step == 4
+
+
+def test_a_resume_that_fails_at_start_up_keeps_the_continued_runs_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Resuming in the run's own folder writes config.yaml only once the run has started: a start-up failure
+    leaves the continued run's config.yaml as it was."""
+    from shell.grpo_trainer import GRPOTrainer
+    from shell.run import EXIT_USAGE, main
+
+    run = _checkpoint(tmp_path / "run", step=3)
+    (run / "config.yaml").write_text("# the continued run's own config\n")
+
+    def start(self: GRPOTrainer, on_status: object = None) -> None:
+        raise ConfigError("ray.num_cpus", "the cluster has too few CPUs for this layout (as a start-up check finds)")
+
+    monkeypatch.setattr(GRPOTrainer, "start", start)
+    monkeypatch.setattr(GRPOTrainer, "close", lambda self: None)
+    assert main(["--resume", str(run), "grpo.num_steps=8", "run.progress=off"]) == EXIT_USAGE
+    assert "too few CPUs" in capsys.readouterr().err
+    assert (run / "config.yaml").read_text() == "# the continued run's own config\n"
 
 
 def test_discard_unstarted_lets_the_same_run_dir_take_the_corrected_run(
