@@ -104,15 +104,17 @@ class MegatronGPTBackend:
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised, or megatron's
             model-parallel state is already set up with other sizes.
-        TypeError: a size or the seed is not an int, or ``learning_rate`` is not a float.
+        TypeError: a size or the seed is not an int, ``learning_rate`` is not a float,
+            or ``group_timeout_s`` is not a number.
         ValueError: a size does not divide what it splits, ``context_parallel``
-            is not 1, ``device`` is unknown, or ``learning_rate`` is not positive.
+            is not 1, ``device`` is unknown, ``learning_rate`` is not positive,
+            or ``group_timeout_s`` is not finite and positive.
 
     Example, in each of 2 ranks after ``dist.init_process_group("gloo", ...)``::
 
         backend = MegatronGPTBackend(TinyGPTConfig(), tensor_parallel=2, pipeline_parallel=1, seed=0)
         backend.logprobs(torch.tensor([[1, 2, 3]]), torch.tensor([3]))  # FloatTensor[1, 3], same on both ranks
-        backend.train_step([{"input_ids": ids, "lengths": lengths}], loss_fn)  # {"loss", "grad_norm", "metrics"}
+        backend.train_step([{"input_ids": ids, "lengths": lengths}], loss_fn)  # {"loss", "loss_sum", "loss_weight", ...}
     """
 
     def __init__(
@@ -147,11 +149,11 @@ class MegatronGPTBackend:
             raise TypeError(f"'learning_rate' must be float: got {type(learning_rate).__name__} ({learning_rate!r})")
         if not learning_rate > 0:
             raise ValueError(f"'learning_rate' must be positive: got {learning_rate!r}")
-        if group_timeout_s is not None and (
-            isinstance(group_timeout_s, bool) or not isinstance(group_timeout_s, (int, float))
-            or not 0 < group_timeout_s < float("inf")
-        ):
-            raise ValueError(f"'group_timeout_s' must be a number of seconds > 0 or None: got {group_timeout_s!r}")
+        if group_timeout_s is not None:
+            if isinstance(group_timeout_s, bool) or not isinstance(group_timeout_s, (int, float)):
+                raise TypeError(f"'group_timeout_s' must be a number of seconds or None: got {group_timeout_s!r}")
+            if not 0 < group_timeout_s < float("inf"):
+                raise ValueError(f"'group_timeout_s' must be finite and > 0: got {group_timeout_s!r}")
         setup.check_divides("tensor_parallel", tp, "num_attention_heads", config.num_attention_heads)
         setup.check_divides("tensor_parallel", tp, "vocab_size", config.vocab_size)
         setup.check_divides("pipeline_parallel", pp, "num_layers", config.num_layers)
@@ -521,8 +523,8 @@ class MegatronGPTBackend:
 
         Returns:
             ``loss``: this replica's ``sum(loss_i) / sum(count_i)`` (0.0 when every count is 0);
-            ``loss_weight``: its ``sum(count_i)``, so the global loss is the ``loss_weight``-weighted
-            mean over replicas; ``grad_norm``: L2 norm of the step's gradient over all parameters (all
+            ``loss_sum`` and ``loss_weight``: its ``sum(loss_i)`` and ``sum(count_i)``, so the global
+            loss is the sum of ``loss_sum`` over replicas over the sum of ``loss_weight``; ``grad_norm``: L2 norm of the step's gradient over all parameters (all
             TP and PP shards), the same on every rank; ``metrics``: one dict per micro-batch, with
             ``"loss"`` that micro-batch's ``loss / max(count, 1)``. Collective over the world.
 
@@ -569,9 +571,10 @@ class MegatronGPTBackend:
             self._optimizer.prepare_grads()
             grad_norm = float(self._optimizer.get_grad_norm())
             self._optimizer.step_with_ready_grads()
-        weight = sum(count for _, _, count in parts)
+        weight, summed = sum(count for _, _, count in parts), sum(total for _, total, _ in parts)
         return {
-            "loss": sum(total for _, total, _ in parts) / weight if weight else 0.0,
+            "loss": summed / weight if weight else 0.0,
+            "loss_sum": summed,
             "loss_weight": float(weight),
             "grad_norm": grad_norm,
             "metrics": [reported for reported, _, _ in parts],

@@ -33,8 +33,8 @@ sum of every micro-batch's loss over the sum of their counts (int >= 0, e.g. tok
 ``-> (loss, metrics)``, which counts 1 per micro-batch (the mean over micro-batches and ranks). Metrics are scalars."""
 StateDict = dict[str, torch.Tensor]
 TrainStepResult = dict[str, Any]
-"""``{"loss": float, "loss_weight": float, "grad_norm": float, "metrics": list[Metrics]}``: the replica's summed
-losses over its summed counts, those counts, the step's grad norm, one ``Metrics`` per micro-batch."""
+"""``{"loss": float, "loss_sum": float, "loss_weight": float, "grad_norm": float, "metrics": list[Metrics]}``: the
+replica's summed losses over its summed counts, those sums, the step's grad norm, one ``Metrics`` per micro-batch."""
 
 
 @attrs.frozen
@@ -98,7 +98,7 @@ class PolicyBackend(Protocol):
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> TrainStepResult:
         """Accumulate the gradient of the step's loss (every micro-batch's summed loss over the counts of every
         micro-batch of every data-parallel rank: :data:`LossFn`), then one optimizer step;
-        ``{"loss", "loss_weight", "grad_norm", "metrics"}``. A micro-batch's ``routed_experts`` is replayed in
+        ``{"loss", "loss_sum", "loss_weight", "grad_norm", "metrics"}``. A micro-batch's ``routed_experts`` is replayed in
         its forward (and so in its backward) as in :meth:`logprobs`."""
         ...
 

@@ -22,7 +22,10 @@ Invariants:
     its shards partition the rows, ``unsorted`` inverts their concatenation,
     and ``micro_batch_spans`` of every shard tiles the shard's rows;
   * ``merge_train`` needs every rank to have run the same number of
-    optimizer steps; its loss is the mean over ranks, step by step.
+    optimizer steps; its loss is, step by step, the ranks' summed losses over
+    their summed counts (the token mean over the global batch), or the mean
+    over ranks for losses that give no counts; ``token_mean_metric`` weighs
+    every micro-batch's token-mean metric by its tokens in the same way.
 """
 
 from __future__ import annotations
@@ -134,9 +137,9 @@ class TrainResult:
     """One ``train`` call's outcome, the same fields on both paths.
 
     Attributes:
-        loss: per optimizer step, the loss over the global batch: the ranks' losses weighted by their
-            ``loss_weight`` (the token mean, for a loss that counts tokens), else their mean.
-        grad_norm: per optimizer step, the norm of the DP-averaged gradient.
+        loss: per optimizer step, the loss over the global batch: the ranks' summed losses over their
+            summed counts (the token mean, for a loss that counts tokens), else the mean of their losses.
+        grad_norm: per optimizer step, the norm of the step's gradient (that of ``loss``, reduced over DP).
         micro_batch_metrics: per DP rank, per step, one metrics dict per micro-batch.
         micro_batches: per DP rank, the micro-batch count of each step.
         forward_seq_lengths: per DP rank, the sequence length it forwarded at.
@@ -325,15 +328,16 @@ def merge_train(results: Sequence[Mapping[str, Any]]) -> TrainResult:
 
     Each result holds ``loss`` and ``grad_norm`` (one per optimizer step),
     ``metrics``, ``micro_batches`` and ``forward_seq_length``, and may hold
-    ``loss_weight`` (one per step: the count the rank's loss is a mean over, as
-    the backend's train step reports it). With weights on every rank, a step's
-    loss is the weighted mean over ranks (0.0 when the weights sum to 0): the
-    token mean over the global batch. Without, it is the plain mean.
+    ``loss_sum`` and ``loss_weight`` (one per step: the rank's summed losses and
+    the count they are over, as the backend's train step reports them). With
+    them on every rank, a step's loss is the sum of ``loss_sum`` over ranks over
+    the sum of ``loss_weight`` (0.0 when the weights sum to 0): the token mean
+    over the global batch. Without, it is the mean of the ranks' losses.
 
     Raises:
         ValueError: ranks ran different numbers of steps (or there are no
-            results); some ranks give ``loss_weight`` and others not, or a
-            rank gives one weight per step of another count, or a negative weight.
+            results); some ranks give ``loss_sum``/``loss_weight`` and others
+            not, or a rank gives them for another step count, or a negative weight.
 
     Example:
         >>> r = {"loss": [1.0], "grad_norm": [0.5], "metrics": [[{}]], "micro_batches": [1], "forward_seq_length": 8}
@@ -353,20 +357,54 @@ def merge_train(results: Sequence[Mapping[str, Any]]) -> TrainResult:
     )
 
 
+def token_mean_metric(result: TrainResult, name: str, *, tokens: str = "token_count") -> float:
+    """The token mean over the whole step of a per-micro-batch metric that is its micro-batch's token mean.
+
+    ``sum(m[name] * m[tokens]) / sum(m[tokens])`` over every micro-batch ``m`` of every rank and optimizer
+    step that reports ``name`` (a micro-batch with no tokens weighs nothing); 0.0 when none has tokens. It
+    weighs tokens as the loss does (:func:`merge_train`), where a plain mean of the micro-batches' values
+    would weigh micro-batches.
+
+    Raises:
+        KeyError: a micro-batch reports ``name`` but not ``tokens``.
+
+    Example:
+        >>> r = merge_train([{"loss": [0.0], "grad_norm": [0.0], "micro_batches": [2], "forward_seq_length": 8,
+        ...     "metrics": [[{"kl": 1.0, "token_count": 1.0}, {"kl": 4.0, "token_count": 3.0}]]}])
+        >>> token_mean_metric(r, "kl")
+        3.25
+    """
+    total = count = 0.0
+    for rank in result.micro_batch_metrics:
+        for step in rank:
+            for metrics in step:
+                if name not in metrics:
+                    continue
+                if tokens not in metrics:
+                    raise KeyError(f"a micro-batch reports {name!r} without its {tokens!r}: got {sorted(metrics)}")
+                total += metrics[name] * metrics[tokens]
+                count += metrics[tokens]
+    return total / count if count else 0.0
+
+
 def _merged_loss(results: Sequence[Mapping[str, Any]], steps: int) -> tuple[float, ...]:
-    """Per step, the ``loss_weight``-weighted mean of the ranks' losses, or their mean without weights."""
-    weighted = ["loss_weight" in r for r in results]
+    """Per step, the ranks' summed losses over their summed weights, or the mean of their losses without weights."""
+    weighted = ["loss_weight" in r or "loss_sum" in r for r in results]
     if not any(weighted):
         return tuple(sum(r["loss"][s] for r in results) / len(results) for s in range(steps))
-    if not all(weighted):
-        raise ValueError(f"'loss_weight' must be given by every DP rank or none: got it from ranks "
-                         f"{[i for i, w in enumerate(weighted) if w]} of {len(results)}")
     for rank, r in enumerate(results):
-        if len(r["loss_weight"]) != steps or any(not w >= 0 for w in r["loss_weight"]):
-            raise ValueError(f"'loss_weight' of rank {rank} must be {steps} values >= 0 (one per step): "
-                             f"got {list(r['loss_weight'])}")
+        if "loss_weight" not in r or "loss_sum" not in r:
+            raise ValueError(
+                f"'loss_sum' and 'loss_weight' must be given by every DP rank or none: rank {rank} of "
+                f"{len(results)} gives {sorted(k for k in ('loss_sum', 'loss_weight') if k in r)}"
+            )
+        if len(r["loss_weight"]) != steps or len(r["loss_sum"]) != steps or any(not w >= 0 for w in r["loss_weight"]):
+            raise ValueError(
+                f"'loss_sum' and 'loss_weight' of rank {rank} must be {steps} values each (one per step), the "
+                f"weights >= 0: got {list(r['loss_sum'])} and {list(r['loss_weight'])}"
+            )
     merged = []
     for s in range(steps):
         total = sum(r["loss_weight"][s] for r in results)
-        merged.append(sum(r["loss"][s] * r["loss_weight"][s] for r in results) / total if total else 0.0)
+        merged.append(sum(r["loss_sum"][s] for r in results) / total if total else 0.0)
     return tuple(merged)

@@ -47,7 +47,7 @@ from core.memory_trend import MemoryTrend, observe, rising
 from core.model_config import TinyGPTConfig
 from core.rollout_carry import plan_advantages, zero_variance_group_fraction
 from core.sharding import PackingSpec
-from core.step_plan import TrainResult
+from core.step_plan import TrainResult, token_mean_metric
 from core.task import Task
 from core.topology import NamedSharding
 from adapters import proc_memory
@@ -684,8 +684,6 @@ class GRPOTrainer:
     def _record(self, step: int, start: float, taken: StepInput, result: TrainResult, report: TransportReport) -> dict[str, Any]:
         """The step's metrics record (one line of ``metrics.jsonl``)."""
         carry = taken.carry
-        metrics = [m for rank in result.micro_batch_metrics for per_step in rank for m in per_step]
-        kl = [m["kl"] for m in metrics if "kl" in m]
         generated = taken.generated_rewards
         return {
             "step": step,
@@ -694,7 +692,7 @@ class GRPOTrainer:
             "entropy": mean_token_entropy(taken.entropy, taken.response_tokens),
             "zero_variance_group_frac": zero_variance_group_fraction(carry),
             "loss": sum(result.loss) / len(result.loss),
-            "kl": sum(kl) / len(kl) if kl else 0.0,
+            "kl": token_mean_metric(result, "kl"),  # over the global batch's tokens, as the loss
             "grad_norm": sum(result.grad_norm) / len(result.grad_norm),
             "optimizer_steps": len(result.loss),
             "step_time_s": time.perf_counter() - start,

@@ -430,6 +430,7 @@ class PolicyWorker(ModelWorker):
             **self._stats(batch, plan),
             COMPUTE_SECONDS: computed,
             "loss": [s["loss"] for s in steps],
+            "loss_sum": [s["loss_sum"] for s in steps],
             "loss_weight": [s["loss_weight"] for s in steps],
             "grad_norm": [s["grad_norm"] for s in steps],
             "metrics": [s["metrics"] for s in steps],

@@ -182,9 +182,11 @@ _MODEL_KEYS = {
 
 
 def _check_same_model(config: RunConfig, checkpoint: Mapping[str, Any], file: Path) -> None:
-    """Nothing when the checkpoint's run built the model ``config`` builds (or its config no longer reads: an
-    older schema or a task that does not load here, and the weights are checked when they load); else a
-    ConfigError naming ``--resume`` and every size that differs, with the keys that would match it."""
+    """Nothing when the checkpoint's run built the model ``config`` builds, with the same KL reference (or its
+    config no longer reads: an older schema or a task that does not load here, and the weights are checked
+    when they load); else a ConfigError naming ``--resume`` and every size that differs, with the keys that
+    would match it, or naming ``seed`` when the KL term's reference (the initial policy of the seed; the
+    checkpoint holds the policy only) would change."""
     stored = checkpoint.get("config")
     if not isinstance(stored, str) or not stored.strip():
         return
@@ -192,7 +194,16 @@ def _check_same_model(config: RunConfig, checkpoint: Mapping[str, Any], file: Pa
         theirs = run_config_from_text(stored, f"the config in {file}")
     except ConfigError:
         return
+    if config.grpo.loss.kl_coef > 0 and config.seed != theirs.seed:
+        raise ConfigError(
+            "seed",
+            f"must be the checkpoint's run's seed ({theirs.seed}) to resume with grpo.loss.kl_coef > 0: the KL "
+            f"reference is the initial policy of the seed, and {file} holds the trained policy only: got "
+            f"{config.seed}; pass seed={theirs.seed}, or grpo.loss.kl_coef=0 to train without the reference",
+        )
     was, now = model_config(theirs, build_task(theirs)), model_config(config, build_task(config))
+    if not was.is_moe and not now.is_moe:
+        was = attrs.evolve(was, moe_topk=now.moe_topk)  # a dense model has no router: its top-k is unused
     if was == now:
         return
     differ = [name for name in attrs.fields_dict(type(now)) if getattr(was, name) != getattr(now, name)]

@@ -779,6 +779,8 @@ def test_a_summed_loss_trains_on_the_token_mean_whatever_the_micro_batch_split(s
     assert single["one_step"]["result"]["grad_norm"] != pytest.approx(runs["split"]["result"]["grad_norm"], rel=1e-2)
     assert _states_close(runs["split"]["state"], runs["whole"]["state"], atol=1e-4)
     assert runs["split"]["result"]["loss_weight"] == sum(tokens) == runs["whole"]["result"]["loss_weight"]
+    split = runs["split"]["result"]
+    assert split["loss"] == split["loss_sum"] / split["loss_weight"]
     assert runs["split"]["result"]["loss"] == pytest.approx(runs["whole"]["result"]["loss"], rel=1e-6)
     assert runs["whole"]["result"]["loss"] == pytest.approx(runs["mean_whole"]["result"]["loss"], rel=1e-6)
     per_micro_batch = [m["loss"] for m in runs["split"]["result"]["metrics"]]
@@ -903,9 +905,12 @@ def test_megatrons_groups_time_out_after_the_given_group_timeout(world_dir: Path
 
 def test_group_timeout_must_be_positive_seconds() -> None:
     """A non-positive, infinite or non-number group timeout is refused before anything is set up."""
-    for bad in (0, -1.0, float("inf"), True, "3"):
-        with pytest.raises(ValueError, match=r"'group_timeout_s' must be a number of seconds > 0 or None: got"):
+    for bad in (0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match=r"'group_timeout_s' must be finite and > 0: got"):
             MegatronGPTBackend(CONFIG, tensor_parallel=1, pipeline_parallel=1, seed=SEED, group_timeout_s=bad)
+    for wrong in (True, "3"):
+        with pytest.raises(TypeError, match=r"'group_timeout_s' must be a number of seconds or None: got"):
+            MegatronGPTBackend(CONFIG, tensor_parallel=1, pipeline_parallel=1, seed=SEED, group_timeout_s=wrong)
 
 
 def test_data_parallel_divides_a_summed_loss_by_the_token_count_over_every_rank(

@@ -350,19 +350,24 @@ def test_importing_the_run_command_leaves_matplotlib_for_the_plot() -> None:
 
 
 def test_plan_run_dir_resumes_a_checkpoint_of_the_same_model_and_names_another_vocabulary(tmp_path: Path) -> None:
-    """A checkpoint whose run built this config's model resumes (other keys may change: num_steps, seed,
-    learning rate); one whose task gave another vocabulary is refused, naming the keys that set it; one whose
-    config no longer reads (an older schema) is left to the weights' own check at load."""
+    """A checkpoint whose run built this config's model resumes (other keys may change: num_steps, learning
+    rate, a dense model's unused top-k, and the seed without a KL term, whose reference is the seed's initial
+    policy); one whose task gave another vocabulary is refused, naming the keys that set it; one whose config
+    no longer reads (an older schema) is left to the weights' own check at load."""
     from shell.run_dir import plan_run_dir
 
     run = tmp_path / "run"
     run.mkdir()
-    saved = dump_run_config(load_run_config(["seed=3", "policy.learning_rate=0.01"]))
+    saved = dump_run_config(load_run_config(["seed=3", "policy.learning_rate=0.01", "policy.model.moe_topk=1"]))
     torch.save({"step": 3, "weights": {"w": torch.ones(1)}, "config": saved}, run / "checkpoint.pt")
-    assert plan_run_dir(load_run_config(["grpo.num_steps=8"]), str(run)).first_step == 4
+    assert plan_run_dir(load_run_config(["grpo.num_steps=8", "seed=3"]), str(run)).first_step == 4  # top-k unused
+    assert plan_run_dir(load_run_config(["grpo.num_steps=8", "grpo.loss.kl_coef=0"]), str(run)).first_step == 4
+    with pytest.raises(ConfigError, match=r"config key 'seed': must be the checkpoint's run's seed \(3\) to resume with "
+                                          r"grpo.loss.kl_coef > 0: .* got 0; pass seed=3"):
+        plan_run_dir(load_run_config(["grpo.num_steps=8"]), str(run))
     with pytest.raises(ConfigError, match=r"vocab_size 16 \(checkpoint\) vs 8 \(this config\); resume with the checkpoint's "
                                           r"task.name, task.kwargs and policy.layout.tensor_parallel"):
-        plan_run_dir(load_run_config(["grpo.num_steps=8", "task.name=reverse"]), str(run))
+        plan_run_dir(load_run_config(["grpo.num_steps=8", "seed=3", "task.name=reverse"]), str(run))
     torch.save({"step": 3, "weights": {"w": torch.ones(1)}, "config": "grpo:\n  num_steps: 3\n"}, run / "checkpoint.pt")
     assert plan_run_dir(load_run_config(["grpo.num_steps=8"]), str(run)).first_step == 4
 

@@ -29,6 +29,7 @@ from core.step_plan import (
     kept_rows,
     legacy_meta,
     merge_train,
+    token_mean_metric,
     micro_batch_spans,
     shard_step,
     stamp_step,
@@ -280,6 +281,7 @@ def test_merge_train_with_loss_weights_is_the_token_mean_over_every_rank(tokens:
     results = [
         {
             "loss": [math.fsum(rank[s]) / len(rank[s]) if rank[s] else 0.0 for s in range(steps)],
+            "loss_sum": [math.fsum(rank[s]) for s in range(steps)],
             "loss_weight": [float(len(rank[s])) for s in range(steps)],
             "grad_norm": [0.0] * steps, "metrics": [[]] * steps, "micro_batches": [1] * steps, "forward_seq_length": 4,
         }
@@ -290,23 +292,54 @@ def test_merge_train_with_loss_weights_is_the_token_mean_over_every_rank(tokens:
         assert merged == pytest.approx(math.fsum(every) / len(every) if every else 0.0, rel=1e-9, abs=1e-9)
 
 
-@given(train_results(), st.floats(0.5, 100))
-def test_merge_train_with_equal_loss_weights_is_the_mean(results: list[dict], weight: float) -> None:
+@given(train_results(), st.integers(1, 8))
+def test_merge_train_with_equal_loss_weights_is_the_mean(results: list[dict], weight: int) -> None:
     """Equal weights on every rank (a mean-form loss, one count per micro-batch, equal micro-batch counts) give
     the plain mean over ranks."""
-    weighted = [{**r, "loss_weight": [weight] * len(r["loss"])} for r in results]
+    weighted = [
+        {**r, "loss_sum": [loss * weight for loss in r["loss"]], "loss_weight": [float(weight)] * len(r["loss"])}
+        for r in results
+    ]
     assert merge_train(weighted).loss == pytest.approx(merge_train(results).loss, rel=1e-9, abs=1e-9)
 
 
 def test_merge_train_rejects_loss_weights_on_some_ranks_or_of_another_count() -> None:
-    """``loss_weight`` comes from every rank or none, one value >= 0 per step."""
+    """``loss_sum`` and ``loss_weight`` come from every rank or none, one value per step, the weights >= 0."""
     one = {"loss": [1.0], "grad_norm": [0.1], "metrics": [[]], "micro_batches": [1], "forward_seq_length": 4}
-    with pytest.raises(ValueError, match=r"'loss_weight' must be given by every DP rank or none: got it from ranks \[1\] of 2"):
-        merge_train([one, {**one, "loss_weight": [3.0]}])
-    with pytest.raises(ValueError, match=r"'loss_weight' of rank 0 must be 1 values >= 0 \(one per step\): got \[1.0, 2.0\]"):
-        merge_train([{**one, "loss_weight": [1.0, 2.0]}])
-    with pytest.raises(ValueError, match=r"'loss_weight' of rank 0 must be 1 values >= 0 \(one per step\): got \[-1.0\]"):
-        merge_train([{**one, "loss_weight": [-1.0]}])
+    both = {**one, "loss_sum": [3.0], "loss_weight": [3.0]}
+    with pytest.raises(ValueError, match=r"'loss_sum' and 'loss_weight' must be given by every DP rank or none: rank 0 of 2 gives \[\]"):
+        merge_train([one, both])
+    with pytest.raises(ValueError, match=r"rank 0 of 1 gives \['loss_weight'\]"):
+        merge_train([{**one, "loss_weight": [3.0]}])
+    with pytest.raises(ValueError, match=r"of rank 0 must be 1 values each \(one per step\), the weights >= 0: got \[3.0\] and \[1.0, 2.0\]"):
+        merge_train([{**both, "loss_weight": [1.0, 2.0]}])
+    with pytest.raises(ValueError, match=r"the weights >= 0: got \[3.0\] and \[-1.0\]"):
+        merge_train([{**both, "loss_weight": [-1.0]}])
+
+
+@given(st.lists(st.lists(st.lists(st.floats(0, 10, width=32), max_size=5), max_size=3), min_size=1, max_size=3))
+def test_token_mean_metric_is_the_mean_over_every_token_of_the_step(tokens: list[list[list[float]]]) -> None:
+    """Micro-batches reporting a metric as their token mean (and their token count), spread over ranks: the
+    merged value is the mean over all their tokens (0.0 with none), not the mean of the micro-batches'."""
+    results = [
+        {
+            "loss": [0.0], "grad_norm": [0.0], "micro_batches": [len(rank)], "forward_seq_length": 4,
+            "metrics": [[{"kl": math.fsum(mb) / len(mb) if mb else 0.0, "token_count": float(len(mb))} for mb in rank]],
+        }
+        for rank in tokens
+    ]
+    every = [t for rank in tokens for mb in rank for t in mb]
+    expected = math.fsum(every) / len(every) if every else 0.0
+    assert token_mean_metric(merge_train(results), "kl") == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+def test_token_mean_metric_needs_each_micro_batchs_token_count() -> None:
+    """A micro-batch with the metric but no token count is refused by name; micro-batches without it are skipped."""
+    result = merge_train([{"loss": [0.0], "grad_norm": [0.0], "micro_batches": [2], "forward_seq_length": 4,
+                           "metrics": [[{"loss": 1.0}, {"kl": 0.5}]]}])
+    with pytest.raises(KeyError, match=r"a micro-batch reports 'kl' without its 'token_count': got \['kl'\]"):
+        token_mean_metric(result, "kl")
+    assert token_mean_metric(result, "clip_fraction") == 0.0
 
 
 def test_merge_train_rejects_ranks_with_different_step_counts() -> None:
