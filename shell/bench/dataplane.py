@@ -27,8 +27,13 @@ columns the adapter read back that round, divided by that round's raw get.
 Also measured: the metering overhead per op against a client that does
 nothing (isolates the wrapper's own cost); the metering's ``step_delta`` after
 :data:`GROWTH_STEPS` steps of puts that no one clears, with and without the
-outstanding-bytes table (what a rollout engine's client sees over a run); and,
-with ``--profile``, where the adapter's put and get spend their time.
+outstanding-bytes table (what a rollout engine's client sees over a run); the
+CPU time a call costs in each process it touches (the caller, each of the
+store's processes, the node's raylet, which holds Ray's object store), for the
+adapter, raw TransferQueue and ``ray.put`` / ``ray.get`` (:func:`cpu_per_call`;
+on a 2-core machine CPU spent in any of them lengthens the step that waits on
+the call); and, with ``--profile``, where the adapter's put and get spend their
+time.
 """
 
 from __future__ import annotations
@@ -38,11 +43,12 @@ import math
 import pstats
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
+import psutil
 import torch
 from tensordict import TensorDict
 
@@ -330,6 +336,14 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
                 ["TQ adapter get time / ray.get", f"{ours_get / med[RAY][1]:.1f}x"],
             ],
         )
+        cpu_transports = {name: transports[name] for name in (ADAPTER, RAW_TQ, RAY)}
+        calls = cpu_calls(nbytes)
+        report.table(
+            f"CPU per call by process ({cfg.tq_backend}): {cfg.rows} rows, {nbytes / 1e6:.1f} MB, ms of CPU a call "
+            f"costs, the mean over {calls} calls of each operation (CPU clock ticks of 10 ms: about "
+            f"{10 / calls:.2f} ms a call of resolution per process)",
+            *_cpu_table(cpu_transports, partitions, td, cfg.rows, _call_processes(store), calls),
+        )
         if cfg.profile:
             _profile(store, td, report)
         report.advance()
@@ -380,6 +394,103 @@ def _tiny_get_ms(client: Any, partition: str, repeats: int) -> float:
         return _median_us(get, repeats) / 1e3
     finally:
         client.clear(["tiny"], partition)
+
+
+CPU_BLOCK = 10
+"""The CPU table's calls go in blocks of this many puts, then as many gets, then as many clears (the store never
+holds more than a block's rows)."""
+CPU_BYTES = 1 << 30
+"""The CPU table moves about this many payload bytes per transport and operation (:func:`cpu_calls`)."""
+
+
+def cpu_calls(payload_bytes: int) -> int:
+    """How many calls of each operation the CPU table times for a payload of ``payload_bytes``: :data:`CPU_BYTES`
+    worth, in whole blocks of :data:`CPU_BLOCK`, at least 2 blocks and at most 200 calls (3 MB: 200; 64 MB: 20)."""
+    fitting = CPU_BYTES // max(1, payload_bytes) // CPU_BLOCK * CPU_BLOCK
+    return max(2 * CPU_BLOCK, min(200, fitting))
+CALLER = "caller (this process)"
+RAYLET = "raylet (Ray's object store)"
+
+
+def cpu_per_call(before: Mapping[str, float], after: Mapping[str, float], calls: int) -> dict[str, float]:
+    """Milliseconds of CPU per call in each process, from two readings of the processes' CPU seconds taken around
+    ``calls`` calls; a process absent from either reading is left out.
+
+    Raises:
+        ValueError: ``calls`` < 1, or a process's CPU time went down between the readings (not the same process).
+    """
+    if calls < 1:
+        raise ValueError(f"'calls' must be >= 1: got {calls}")
+    out = {}
+    for name, start in before.items():
+        if name not in after:
+            continue
+        spent = after[name] - start
+        if spent < 0:
+            raise ValueError(f"the CPU time of {name!r} went down between the readings: {start} s then {after[name]} s")
+        out[name] = spent * 1e3 / calls
+    return out
+
+
+def _call_processes(store: Any) -> dict[str, psutil.Process]:
+    """The processes a store call can spend CPU in: this one (Ray's threads in it included), each part of ``store``
+    (:meth:`adapters.store_health.ProbedActors.parts`) and the raylet this process started (Ray's object store
+    lives in it)."""
+    me = psutil.Process()
+    out = {CALLER: me}
+    out.update((part.role, psutil.Process(part.pid)) for part in store.parts() if part.pid is not None)
+    raylets = [p for p in me.children(recursive=True) if p.name() == "raylet"]
+    if raylets:
+        out[RAYLET] = raylets[0]
+    return out
+
+
+def _cpu_seconds(processes: Mapping[str, psutil.Process]) -> dict[str, float]:
+    """Each live process's user + system CPU seconds (its threads included, its children not)."""
+    out = {}
+    for name, process in processes.items():
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        out[name] = times.user + times.system
+    return out
+
+
+def _cpu_table(
+    transports: Mapping[str, Transport], partitions: Mapping[str, str], td: TensorDict, rows: int,
+    processes: Mapping[str, psutil.Process], calls: int,
+) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the CPU table: per transport and operation, the wall ms and each process's ms of CPU per
+    call (:func:`cpu_per_call`) over ``calls`` calls (a multiple of :data:`CPU_BLOCK`), and their sum. ``ray.put`` / ``ray.get`` has no
+    clear: its objects go when their last reference does."""
+    names = list(processes)
+    lines = []
+    for transport_name, transport in transports.items():
+        ops = ("put", "get") if transport_name == RAY else ("put", "get", "clear")
+        spent = {op: dict.fromkeys(names, 0.0) for op in ops}
+        wall = dict.fromkeys(ops, 0.0)
+        for block in range(calls // CPU_BLOCK):
+            keys = [[f"cpu{block}_{i}_{r}" for r in range(rows)] for i in range(CPU_BLOCK)]
+            handles: list[Any] = []
+            for op in ops:
+                before, start = _cpu_seconds(processes), time.perf_counter()
+                for i in range(CPU_BLOCK):
+                    if op == "put":
+                        handles.append(transport.put(keys[i], partitions[transport_name], td))
+                    elif op == "get":
+                        transport.get(keys[i], partitions[transport_name], handles[i])
+                    else:
+                        transport.clear(keys[i], partitions[transport_name], handles[i])
+                wall[op] += time.perf_counter() - start
+                for name, ms in cpu_per_call(before, _cpu_seconds(processes), calls).items():
+                    spent[op][name] += ms
+            del handles
+        for op in ops:
+            total = sum(spent[op].values())
+            lines.append([transport_name, op, f"{wall[op] * 1e3 / calls:.2f}",
+                          *[f"{spent[op][name]:.2f}" for name in names], f"{total:.2f}"])
+    return ["transport", "call", "wall ms", *[f"{name} CPU ms" for name in names], "all CPU ms"], lines
 
 
 def _profile(store: Any, td: TensorDict, report: Report) -> None:
