@@ -408,6 +408,8 @@ def cpu_calls(payload_bytes: int) -> int:
     worth, in whole blocks of :data:`CPU_BLOCK`, at least 2 blocks and at most 200 calls (3 MB: 200; 64 MB: 20)."""
     fitting = CPU_BYTES // max(1, payload_bytes) // CPU_BLOCK * CPU_BLOCK
     return max(2 * CPU_BLOCK, min(200, fitting))
+
+
 CALLER = "caller (this process)"
 RAYLET = "raylet (Ray's object store)"
 
@@ -462,8 +464,8 @@ def _cpu_table(
     processes: Mapping[str, psutil.Process], calls: int,
 ) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the CPU table: per transport and operation, the wall ms and each process's ms of CPU per
-    call (:func:`cpu_per_call`) over ``calls`` calls (a multiple of :data:`CPU_BLOCK`), and their sum. ``ray.put`` / ``ray.get`` has no
-    clear: its objects go when their last reference does."""
+    call (:func:`cpu_per_call`) over ``calls`` calls (a multiple of :data:`CPU_BLOCK`), and their sum.
+    ``ray.put`` / ``ray.get`` has no clear: its objects go when their last reference does."""
     names = list(processes)
     lines = []
     for transport_name, transport in transports.items():
