@@ -30,7 +30,7 @@ nothing (isolates the wrapper's own cost); the metering's ``step_delta`` after
 outstanding-bytes table (what a rollout engine's client sees over a run); the
 CPU time a call costs in each process it touches (the caller, each of the
 store's processes, the node's raylet, which holds Ray's object store), for the
-adapter, raw TransferQueue and ``ray.put`` / ``ray.get`` (:func:`cpu_per_call`;
+adapter, raw TransferQueue and ``ray.put`` / ``ray.get`` (:mod:`shell.bench.cpu`;
 on a 2-core machine CPU spent in any of them lengthens the step that waits on
 the call); and, with ``--profile``, where the adapter's put and get spend their
 time.
@@ -59,6 +59,7 @@ from adapters.transfer_queue import TransferQueueStore
 from core.codec import to_jagged
 from core.integrity import digest_matrix
 from core.meta import KVBatchMeta
+from shell.bench.cpu import RAYLET, cpu_per_call, cpu_seconds, processes, ray_daemons
 from shell.bench.report import Report
 from shell.metering import MeteredClient
 
@@ -340,8 +341,7 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
         calls = cpu_calls(nbytes)
         report.table(
             f"CPU per call by process ({cfg.tq_backend}): {cfg.rows} rows, {nbytes / 1e6:.1f} MB, ms of CPU a call "
-            f"costs, the mean over {calls} calls of each operation (CPU clock ticks of 10 ms: about "
-            f"{10 / calls:.2f} ms a call of resolution per process)",
+            f"costs, the mean over {calls} calls of each operation",
             *_cpu_table(cpu_transports, partitions, td, cfg.rows, _call_processes(store), calls),
         )
         if cfg.profile:
@@ -411,62 +411,28 @@ def cpu_calls(payload_bytes: int) -> int:
 
 
 CALLER = "caller (this process)"
-RAYLET = "raylet (Ray's object store)"
-
-
-def cpu_per_call(before: Mapping[str, float], after: Mapping[str, float], calls: int) -> dict[str, float]:
-    """Milliseconds of CPU per call in each process, from two readings of the processes' CPU seconds taken around
-    ``calls`` calls; a process absent from either reading is left out.
-
-    Raises:
-        ValueError: ``calls`` < 1, or a process's CPU time went down between the readings (not the same process).
-    """
-    if calls < 1:
-        raise ValueError(f"'calls' must be >= 1: got {calls}")
-    out = {}
-    for name, start in before.items():
-        if name not in after:
-            continue
-        spent = after[name] - start
-        if spent < 0:
-            raise ValueError(f"the CPU time of {name!r} went down between the readings: {start} s then {after[name]} s")
-        out[name] = spent * 1e3 / calls
-    return out
 
 
 def _call_processes(store: Any) -> dict[str, psutil.Process]:
     """The processes a store call can spend CPU in: this one (Ray's threads in it included), each part of ``store``
     (:meth:`adapters.store_health.ProbedActors.parts`) and the raylet this process started (Ray's object store
     lives in it)."""
-    me = psutil.Process()
-    out = {CALLER: me}
-    out.update((part.role, psutil.Process(part.pid)) for part in store.parts() if part.pid is not None)
-    raylets = [p for p in me.children(recursive=True) if p.name() == "raylet"]
-    if raylets:
-        out[RAYLET] = raylets[0]
-    return out
-
-
-def _cpu_seconds(processes: Mapping[str, psutil.Process]) -> dict[str, float]:
-    """Each live process's user + system CPU seconds (its threads included, its children not)."""
-    out = {}
-    for name, process in processes.items():
-        try:
-            times = process.cpu_times()
-        except psutil.Error:
-            continue
-        out[name] = times.user + times.system
+    out = {CALLER: psutil.Process()}
+    out.update(processes({part.role: part.pid for part in store.parts() if part.pid is not None}))
+    daemons = ray_daemons()
+    if RAYLET in daemons:
+        out[RAYLET] = daemons[RAYLET]
     return out
 
 
 def _cpu_table(
     transports: Mapping[str, Transport], partitions: Mapping[str, str], td: TensorDict, rows: int,
-    processes: Mapping[str, psutil.Process], calls: int,
+    readers: Mapping[str, psutil.Process], calls: int,
 ) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the CPU table: per transport and operation, the wall ms and each process's ms of CPU per
     call (:func:`cpu_per_call`) over ``calls`` calls (a multiple of :data:`CPU_BLOCK`), and their sum.
     ``ray.put`` / ``ray.get`` has no clear: its objects go when their last reference does."""
-    names = list(processes)
+    names = list(readers)
     lines = []
     for transport_name, transport in transports.items():
         ops = ("put", "get") if transport_name == RAY else ("put", "get", "clear")
@@ -476,7 +442,7 @@ def _cpu_table(
             keys = [[f"cpu{block}_{i}_{r}" for r in range(rows)] for i in range(CPU_BLOCK)]
             handles: list[Any] = []
             for op in ops:
-                before, start = _cpu_seconds(processes), time.perf_counter()
+                before, start = cpu_seconds(readers), time.perf_counter()
                 for i in range(CPU_BLOCK):
                     if op == "put":
                         handles.append(transport.put(keys[i], partitions[transport_name], td))
@@ -485,7 +451,7 @@ def _cpu_table(
                     else:
                         transport.clear(keys[i], partitions[transport_name], handles[i])
                 wall[op] += time.perf_counter() - start
-                for name, ms in cpu_per_call(before, _cpu_seconds(processes), calls).items():
+                for name, ms in cpu_per_call(before, cpu_seconds(readers), calls).items():
                     spent[op][name] += ms
             del handles
         for op in ops:

@@ -17,7 +17,9 @@ paths. And it reads every process's resident memory after each step
 the store's parts), with its growth per 100 steps: a long run (``--steps
 300``) shows a leak in any of them as a steady slope. Per phase of the step
 it reports each path's median milliseconds and the data plane's extra ones:
-where the step's difference goes.
+where the step's difference goes; per process (the trainers' and Ray's
+raylet and GCS) the CPU milliseconds a step costs, on both paths: on a machine
+of few cores CPU spent in any process lengthens the step.
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ from typing import Any
 import attrs
 
 from core.memory_trend import growth_per_100_steps
+from shell.bench.cpu import cpu_per_call, cpu_seconds, named_pids, processes, ray_daemons
 from shell.bench.report import Report
 from shell.run_log import MEMORY_ERROR_KEY, MEMORY_KEY
 
 PARITY_KEYS = ("reward_mean", "loss", "kl", "grad_norm")
+CPU_KEY = "cpu_ms"
+"""A step record's CPU by process (ms), which :func:`side_by_side` adds."""
 
 
 @attrs.frozen
@@ -59,6 +64,10 @@ def side_by_side(configs: Mapping[str, Any], steps: int) -> dict[str, list[dict[
 
     Stepping in turn puts every trainer's step at the same moment on the machine, so per-step ratios compare like
     with like; separate runs here differ by 10-15% in speed from one process set to the next.
+
+    Each record also holds :data:`CPU_KEY`: the milliseconds of CPU the step took in each process of its trainer
+    (``GRPOTrainer.process_ids``, flattened: ``driver``, ``policy 0``, ``rollout``, ``store <role>``) and in the
+    raylet and GCS this process started (:mod:`shell.bench.cpu`), read right before and after the step.
     """
     from shell.grpo_trainer import GRPOTrainer
 
@@ -69,9 +78,13 @@ def side_by_side(configs: Mapping[str, Any], steps: int) -> dict[str, list[dict[
         for name in names:
             trainers[name] = GRPOTrainer(configs[name])
             trainers[name].start()
+        # Each step's CPU in its trainer's processes and in Ray's daemons, which serve whichever trainer steps.
+        readers = {name: {**processes(named_pids(trainers[name].process_ids())), **ray_daemons()} for name in names}
         for step in range(1, steps + 1):
             for name in names if step % 2 else names[::-1]:
+                before = cpu_seconds(readers[name])
                 record = trainers[name].step(step)
+                record[CPU_KEY] = cpu_per_call(before, cpu_seconds(readers[name]), 1)
                 record.pop("samples", None)
                 records[name].append(record)
     finally:
@@ -208,6 +221,13 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
         store_call_rows(results["data plane"], cfg.warmup),
     )
     report.table(
+        f"CPU per step by process (ms of CPU, user + system, read around each step; per path the median over the "
+        f"{cfg.repeats} repeats of each repeat's median after {cfg.warmup} warm-up steps; Ray's raylet and GCS serve "
+        f"both paths and count for the path that steps) and what the data plane adds",
+        ["process", "legacy ms", "data plane ms", "data plane - legacy ms"],
+        cpu_rows(results, cfg.warmup),
+    )
+    report.table(
         f"Resident memory per process (MiB, VmRSS right after each step): at step {cfg.warmup + 1}, at step "
         f"{cfg.steps}, and its growth per 100 steps (least-squares slope over steps {cfg.warmup + 1}-{cfg.steps}); "
         f"medians over the {cfg.repeats} repeats, each with fresh workers (the driver, this process, serves every "
@@ -217,6 +237,44 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
         resident_rows(results, cfg.warmup),
     )
     report.finish()
+
+
+def cpu_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup: int) -> list[list[str]]:
+    """The CPU table's rows from each path's runs of step records with :data:`CPU_KEY`: per process (in the order
+    first seen, legacy's first), each path's median over its runs of each run's median after ``warmup`` steps, and
+    the difference (``-`` where a path has no such process); last, every process summed per step.
+
+    Raises:
+        ValueError: ``results`` lacks one of :data:`PATHS`, or a path has no run with records past ``warmup``.
+    """
+    missing = [path for path in PATHS if not any(len(run) > warmup for run in results.get(path, ()))]
+    if missing:
+        raise ValueError(f"'results' must hold records past step {warmup} for every path: none for {missing}")
+
+    def per_step(path: str, value: Callable[[dict[str, Any]], float]) -> float:
+        runs = [run for run in results[path] if len(run) > warmup]
+        return statistics.median(statistics.median(value(r) for r in run[warmup:]) for run in runs)
+
+    names = list(dict.fromkeys(
+        name for path in PATHS for run in results[path] for record in run[warmup:] for name in record[CPU_KEY]
+    ))
+    rows = []
+    for name in [*names, None]:
+        cells = []
+        for path in PATHS:
+            if name is None:
+                cells.append(per_step(path, lambda r: sum(r[CPU_KEY].values())))
+            elif any(name in r[CPU_KEY] for run in results[path] for r in run[warmup:]):
+                cells.append(per_step(path, lambda r, n=name: r[CPU_KEY].get(n, 0.0)))
+            else:
+                cells.append(None)
+        legacy, plane = cells
+        rows.append([
+            "all processes" if name is None else name,
+            *["-" if c is None else f"{c:.1f}" for c in cells],
+            "-" if legacy is None and plane is None else f"{(plane or 0.0) - (legacy or 0.0):+.1f}",
+        ])
+    return rows
 
 
 def phase_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup: int) -> list[list[str]]:

@@ -1,5 +1,5 @@
 """Laws of memory readings: a process's resident memory from ``/proc``, the growth slope, and the grpo bench's
-resident-memory rows; and of the grpo bench's phase and store-call rows."""
+resident-memory rows; and of the grpo bench's phase, store-call and CPU rows."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from adapters.proc_memory import resident_mib
 from core.memory_trend import growth_per_100_steps
-from shell.bench.grpo import phase_rows, resident_rows, store_call_rows
+from shell.bench.grpo import CPU_KEY, cpu_rows, phase_rows, resident_rows, store_call_rows
 from shell.run_log import MEMORY_ERROR_KEY, MEMORY_KEY
 
 
@@ -187,6 +187,43 @@ def test_phase_rows_give_each_calls_time_outside_the_model_when_every_record_has
     assert [row[0] for row in rows] == ["logprobs", "train", "other", "step", "logprobs outside the model"]
     outside_legacy, outside_plane = (phase - model) * 1e3, (phase + extra - model) * 1e3
     assert rows[-1][1:] == [f"{outside_legacy:.1f}", f"{outside_plane:.1f}", f"{outside_plane - outside_legacy:+.1f}"]
+
+
+@given(
+    legacy=st.dictionaries(st.sampled_from(["driver", "policy 0", "rollout"]), st.floats(0.0, 500.0), min_size=1),
+    store=st.dictionaries(st.sampled_from(["store controller", "store index"]), st.floats(0.0, 50.0)),
+    extra=st.floats(0.0, 50.0),
+    warmup=st.integers(0, 3),
+)
+def test_cpu_rows_give_each_process_both_paths_ms_and_the_data_planes_extra(
+    legacy: dict[str, float], store: dict[str, float], extra: float, warmup: int
+) -> None:
+    """A process both paths run gets each path's median ms and the difference; one only the data plane runs gets
+    ``-`` for legacy and its whole ms as the extra; the last row sums every process per step; warm-up steps (here
+    ten times as costly) do not count."""
+    plane = {**{name: ms + extra for name, ms in legacy.items()}, **store}
+
+    def run(per_step: dict[str, float]) -> list[dict[str, object]]:
+        return [{"step": s, CPU_KEY: {n: ms * (10 if s <= warmup else 1) for n, ms in per_step.items()}}
+                for s in range(1, warmup + 4)]
+
+    rows = cpu_rows({"legacy": [run(legacy)] * 3, "data plane": [run(plane)] * 3}, warmup)
+    assert [row[0] for row in rows] == [*legacy, *store, "all processes"]
+    for row in rows[: len(legacy)]:
+        ms = legacy[row[0]]
+        assert row[1:] == [f"{ms:.1f}", f"{ms + extra:.1f}", f"{ms + extra - ms:+.1f}"]
+    for row in rows[len(legacy):-1]:
+        assert row[1:] == ["-", f"{store[row[0]]:.1f}", f"{store[row[0]]:+.1f}"]
+    total_legacy, total_plane = sum(legacy.values()), sum(plane.values())
+    assert rows[-1][1:] == [f"{total_legacy:.1f}", f"{total_plane:.1f}", f"{total_plane - total_legacy:+.1f}"]
+
+
+def test_cpu_rows_need_records_past_the_warm_up_on_both_paths() -> None:
+    records = [{"step": 1, CPU_KEY: {"driver": 1.0}}]
+    with pytest.raises(ValueError, match=r"records past step 1 for every path: none for \['legacy', 'data plane'\]"):
+        cpu_rows({"legacy": [records], "data plane": [records]}, 1)
+    with pytest.raises(ValueError, match=r"none for \['data plane'\]"):
+        cpu_rows({"legacy": [records]}, 0)
 
 
 def test_phase_rows_need_steps_after_the_warm_up() -> None:
