@@ -239,40 +239,55 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
     report.finish()
 
 
+def _after_warmup(
+    results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup: int
+) -> dict[str, list[Sequence[dict[str, Any]]]]:
+    """Each path's runs without their first ``warmup`` records.
+
+    Raises:
+        ValueError: a path has no runs, or a run has no record after ``warmup``.
+    """
+    kept: dict[str, list[Sequence[dict[str, Any]]]] = {}
+    for path in PATHS:
+        runs = results.get(path, ())
+        if not runs:
+            raise ValueError(f"'results' must hold runs of path {path!r}: got none")
+        kept[path] = [run[warmup:] for run in runs]
+        if any(not run for run in kept[path]):
+            raise ValueError(f"every run of path {path!r} must have a step after the {warmup} warm-up steps")
+    return kept
+
+
+def _median_of_medians(runs: Sequence[Sequence[dict[str, Any]]], value: Callable[[dict[str, Any]], float]) -> float:
+    """The median over ``runs`` of each run's median ``value`` of its records."""
+    return statistics.median(statistics.median(value(r) for r in run) for run in runs)
+
+
 def cpu_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup: int) -> list[list[str]]:
     """The CPU table's rows from each path's runs of step records with :data:`CPU_KEY`: per process (in the order
     first seen, legacy's first), each path's median over its runs of each run's median after ``warmup`` steps, and
     the difference (``-`` where a path has no such process); last, every process summed per step.
 
     Raises:
-        ValueError: ``results`` lacks one of :data:`PATHS`, or a path has no run with records past ``warmup``.
+        ValueError: a path has no runs, or a run has no record after ``warmup``.
     """
-    missing = [path for path in PATHS if not any(len(run) > warmup for run in results.get(path, ()))]
-    if missing:
-        raise ValueError(f"'results' must hold records past step {warmup} for every path: none for {missing}")
-
-    def per_step(path: str, value: Callable[[dict[str, Any]], float]) -> float:
-        runs = [run for run in results[path] if len(run) > warmup]
-        return statistics.median(statistics.median(value(r) for r in run[warmup:]) for run in runs)
-
-    names = list(dict.fromkeys(
-        name for path in PATHS for run in results[path] for record in run[warmup:] for name in record[CPU_KEY]
-    ))
+    kept = _after_warmup(results, warmup)
+    names = list(dict.fromkeys(name for path in PATHS for run in kept[path] for r in run for name in r[CPU_KEY]))
     rows = []
     for name in [*names, None]:
-        cells = []
+        cells: list[float | None] = []
         for path in PATHS:
             if name is None:
-                cells.append(per_step(path, lambda r: sum(r[CPU_KEY].values())))
-            elif any(name in r[CPU_KEY] for run in results[path] for r in run[warmup:]):
-                cells.append(per_step(path, lambda r, n=name: r[CPU_KEY].get(n, 0.0)))
+                cells.append(_median_of_medians(kept[path], lambda r: sum(r[CPU_KEY].values())))
+            elif any(name in r[CPU_KEY] for run in kept[path] for r in run):
+                cells.append(_median_of_medians(kept[path], lambda r, n=name: r[CPU_KEY].get(n, 0.0)))
             else:
                 cells.append(None)
         legacy, plane = cells
         rows.append([
             "all processes" if name is None else name,
             *["-" if c is None else f"{c:.1f}" for c in cells],
-            "-" if legacy is None and plane is None else f"{(plane or 0.0) - (legacy or 0.0):+.1f}",
+            f"{(plane or 0.0) - (legacy or 0.0):+.1f}",
         ])
     return rows
 
@@ -291,14 +306,7 @@ def phase_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup
     Raises:
         ValueError: a path has no runs, or a run has no record after ``warmup``.
     """
-    kept: dict[str, list[Sequence[dict[str, Any]]]] = {}
-    for path in PATHS:
-        runs = results.get(path, ())
-        if not runs:
-            raise ValueError(f"'results' must hold runs of path {path!r}: got none")
-        kept[path] = [run[warmup:] for run in runs]
-        if any(not run for run in kept[path]):
-            raise ValueError(f"every run of path {path!r} must have a step after the {warmup} warm-up steps")
+    kept = _after_warmup(results, warmup)
     every = [record for path in PATHS for run in kept[path] for record in run]
     phases = [k for k in kept["legacy"][0][0] if k.startswith("phase_") and all(k in r for r in every)]
 
@@ -309,7 +317,7 @@ def phase_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup
         return lambda record: record[f"phase_{call}_s"] - record[f"model_{call}_s"]
 
     def ms(path: str, value: Callable[[dict[str, Any]], float]) -> float:
-        return 1e3 * statistics.median(statistics.median(value(r) for r in run) for run in kept[path])
+        return 1e3 * _median_of_medians(kept[path], value)
 
     named: list[tuple[str, Callable[[dict[str, Any]], float]]] = [
         *((k[len("phase_"):].removesuffix("_s"), operator.itemgetter(k)) for k in phases),

@@ -220,9 +220,9 @@ def test_cpu_rows_give_each_process_both_paths_ms_and_the_data_planes_extra(
 
 def test_cpu_rows_need_records_past_the_warm_up_on_both_paths() -> None:
     records = [{"step": 1, CPU_KEY: {"driver": 1.0}}]
-    with pytest.raises(ValueError, match=r"records past step 1 for every path: none for \['legacy', 'data plane'\]"):
+    with pytest.raises(ValueError, match="must have a step after the 1 warm-up steps"):
         cpu_rows({"legacy": [records], "data plane": [records]}, 1)
-    with pytest.raises(ValueError, match=r"none for \['data plane'\]"):
+    with pytest.raises(ValueError, match="must hold runs of path 'data plane'"):
         cpu_rows({"legacy": [records]}, 0)
 
 
