@@ -11,8 +11,9 @@ it, so a call's or a step's cost is its CPU over every process it touches, not
 only its caller's.
 
 Invariant: a process appears in a difference only when both readings hold it
-(a process that ended or started in between has no figure), and a reading
-never goes down for the same process (one that does is refused).
+(a process that ended or started in between, or whose pid another process
+took, has no figure), and a reading never goes down for the same process (one
+that does is refused). Readings are of this node's processes only.
 """
 
 from __future__ import annotations
@@ -54,9 +55,12 @@ def _cpu_clock(pid: int) -> int:
 
 
 def cpu_seconds(processes: Mapping[str, psutil.Process]) -> dict[str, float]:
-    """A reading: each live process's CPU seconds (a process gone is left out)."""
+    """A reading: each live process's CPU seconds. A process gone is left out, and so is one whose pid another
+    process now holds (``psutil`` compares the start time it saw first), whose clock would be another's."""
     out = {}
     for name, process in processes.items():
+        if not process.is_running():
+            continue
         try:
             out[name] = time.clock_gettime(_cpu_clock(process.pid))
             continue

@@ -430,13 +430,15 @@ def _cpu_table(
     readers: Mapping[str, psutil.Process], calls: int,
 ) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the CPU table: per transport and operation, the wall ms and each process's ms of CPU per
-    call (:func:`cpu_per_call`) over ``calls`` calls (a multiple of :data:`CPU_BLOCK`), and their sum.
-    ``ray.put`` / ``ray.get`` has no clear: its objects go when their last reference does."""
+    call (:func:`cpu_per_call`) over ``calls`` calls (a multiple of :data:`CPU_BLOCK`; ``-`` for a process that a
+    block's readings missed), and their sum. ``ray.put`` / ``ray.get`` has no clear: its objects go when their
+    last reference does (the raylet's freeing of a block's objects counts in the next block's put)."""
     names = list(readers)
     lines = []
     for transport_name, transport in transports.items():
         ops = ("put", "get") if transport_name == RAY else ("put", "get", "clear")
         spent = {op: dict.fromkeys(names, 0.0) for op in ops}
+        read = {op: dict.fromkeys(names, 0) for op in ops}  # blocks whose two readings hold the process
         wall = dict.fromkeys(ops, 0.0)
         for block in range(calls // CPU_BLOCK):
             keys = [[f"cpu{block}_{i}_{r}" for r in range(rows)] for i in range(CPU_BLOCK)]
@@ -453,11 +455,14 @@ def _cpu_table(
                 wall[op] += time.perf_counter() - start
                 for name, ms in cpu_per_call(before, cpu_seconds(readers), calls).items():
                     spent[op][name] += ms
+                    read[op][name] += 1
             del handles
+        blocks = calls // CPU_BLOCK
         for op in ops:
-            total = sum(spent[op].values())
+            whole = [name for name in names if read[op][name] == blocks]  # a process missed in a block has no figure
             lines.append([transport_name, op, f"{wall[op] * 1e3 / calls:.2f}",
-                          *[f"{spent[op][name]:.2f}" for name in names], f"{total:.2f}"])
+                          *[f"{spent[op][name]:.2f}" if name in whole else "-" for name in names],
+                          f"{sum(spent[op][name] for name in whole):.2f}"])
     return ["transport", "call", "wall ms", *[f"{name} CPU ms" for name in names], "all CPU ms"], lines
 
 

@@ -65,7 +65,8 @@ def side_by_side(configs: Mapping[str, Any], steps: int) -> dict[str, list[dict[
     Stepping in turn puts every trainer's step at the same moment on the machine, so per-step ratios compare like
     with like; separate runs here differ by 10-15% in speed from one process set to the next.
 
-    Each record also holds :data:`CPU_KEY`: the milliseconds of CPU the step took in each process of its trainer
+    When this process started Ray (so the trainers' processes are on this node), each record also holds
+    :data:`CPU_KEY`: the milliseconds of CPU the step took in each process of its trainer
     (``GRPOTrainer.process_ids``, flattened: ``driver``, ``policy 0``, ``rollout``, ``store <role>``) and in the
     raylet and GCS this process started (:mod:`shell.bench.cpu`), read right before and after the step.
     """
@@ -78,13 +79,16 @@ def side_by_side(configs: Mapping[str, Any], steps: int) -> dict[str, list[dict[
         for name in names:
             trainers[name] = GRPOTrainer(configs[name])
             trainers[name].start()
-        # Each step's CPU in its trainer's processes and in Ray's daemons, which serve whichever trainer steps.
-        readers = {name: {**processes(named_pids(trainers[name].process_ids())), **ray_daemons()} for name in names}
+        # Each step's CPU in its trainer's processes and in Ray's daemons, which serve whichever trainer steps; only
+        # when this process started Ray, so that every process of the trainers is on this node.
+        daemons = ray_daemons()
+        readers = {name: {**processes(named_pids(trainers[name].process_ids())), **daemons} for name in names}
         for step in range(1, steps + 1):
             for name in names if step % 2 else names[::-1]:
-                before = cpu_seconds(readers[name])
+                before = cpu_seconds(readers[name]) if daemons else {}
                 record = trainers[name].step(step)
-                record[CPU_KEY] = cpu_per_call(before, cpu_seconds(readers[name]), 1)
+                if daemons:
+                    record[CPU_KEY] = cpu_per_call(before, cpu_seconds(readers[name]), 1)
                 record.pop("samples", None)
                 records[name].append(record)
     finally:
@@ -220,13 +224,14 @@ def run(cfg: GrpoBenchConfig, report: Report) -> None:
         ["process and call", "ms / step", "share of the step"],
         store_call_rows(results["data plane"], cfg.warmup),
     )
-    report.table(
-        f"CPU per step by process (ms of CPU, user + system, read around each step; per path the median over the "
-        f"{cfg.repeats} repeats of each repeat's median after {cfg.warmup} warm-up steps; Ray's raylet and GCS serve "
-        f"both paths and count for the path that steps) and what the data plane adds",
-        ["process", "legacy ms", "data plane ms", "data plane - legacy ms"],
-        cpu_rows(results, cfg.warmup),
-    )
+    if all(CPU_KEY in r for runs in results.values() for run in runs for r in run):
+        report.table(
+            f"CPU per step by process (ms of CPU, user + system, read around each step; per path the median over the "
+            f"{cfg.repeats} repeats of each repeat's median after {cfg.warmup} warm-up steps; Ray's raylet and GCS "
+            f"serve both paths and count for the path that steps) and what the data plane adds",
+            ["process", "legacy ms", "data plane ms", "data plane - legacy ms"],
+            cpu_rows(results, cfg.warmup),
+        )
     report.table(
         f"Resident memory per process (MiB, VmRSS right after each step): at step {cfg.warmup + 1}, at step "
         f"{cfg.steps}, and its growth per 100 steps (least-squares slope over steps {cfg.warmup + 1}-{cfg.steps}); "
@@ -265,8 +270,9 @@ def _median_of_medians(runs: Sequence[Sequence[dict[str, Any]]], value: Callable
 
 def cpu_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup: int) -> list[list[str]]:
     """The CPU table's rows from each path's runs of step records with :data:`CPU_KEY`: per process (in the order
-    first seen, legacy's first), each path's median over its runs of each run's median after ``warmup`` steps, and
-    the difference (``-`` where a path has no such process); last, every process summed per step.
+    first seen, legacy's first), each path's median over its runs of each run's median after ``warmup`` steps,
+    over the records that hold the process (a process some steps could not read has no figure for them), and the
+    difference (``-`` where a path has no such process); last, every process summed per step.
 
     Raises:
         ValueError: a path has no runs, or a run has no record after ``warmup``.
@@ -279,10 +285,10 @@ def cpu_rows(results: Mapping[str, Sequence[Sequence[dict[str, Any]]]], warmup: 
         for path in PATHS:
             if name is None:
                 cells.append(_median_of_medians(kept[path], lambda r: sum(r[CPU_KEY].values())))
-            elif any(name in r[CPU_KEY] for run in kept[path] for r in run):
-                cells.append(_median_of_medians(kept[path], lambda r, n=name: r[CPU_KEY].get(n, 0.0)))
             else:
-                cells.append(None)
+                held = [[r for r in run if name in r[CPU_KEY]] for run in kept[path]]
+                held = [run for run in held if run]
+                cells.append(_median_of_medians(held, lambda r, n=name: r[CPU_KEY][n]) if held else None)
         legacy, plane = cells
         rows.append([
             "all processes" if name is None else name,

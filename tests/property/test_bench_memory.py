@@ -190,8 +190,8 @@ def test_phase_rows_give_each_calls_time_outside_the_model_when_every_record_has
 
 
 @given(
-    legacy=st.dictionaries(st.sampled_from(["driver", "policy 0", "rollout"]), st.floats(0.0, 500.0), min_size=1),
-    store=st.dictionaries(st.sampled_from(["store controller", "store index"]), st.floats(0.0, 50.0)),
+    legacy=st.dictionaries(st.sampled_from(["driver", "policy 0", "rollout"]), st.floats(0.5, 500.0), min_size=1),
+    store=st.dictionaries(st.sampled_from(["store controller", "store index"]), st.floats(0.5, 50.0)),
     extra=st.floats(0.0, 50.0),
     warmup=st.integers(0, 3),
 )
@@ -200,12 +200,12 @@ def test_cpu_rows_give_each_process_both_paths_ms_and_the_data_planes_extra(
 ) -> None:
     """A process both paths run gets each path's median ms and the difference; one only the data plane runs gets
     ``-`` for legacy and its whole ms as the extra; the last row sums every process per step; warm-up steps (here
-    ten times as costly) do not count."""
+    ten times as costly, before the one step that counts) do not count."""
     plane = {**{name: ms + extra for name, ms in legacy.items()}, **store}
 
     def run(per_step: dict[str, float]) -> list[dict[str, object]]:
         return [{"step": s, CPU_KEY: {n: ms * (10 if s <= warmup else 1) for n, ms in per_step.items()}}
-                for s in range(1, warmup + 4)]
+                for s in range(1, warmup + 2)]
 
     rows = cpu_rows({"legacy": [run(legacy)] * 3, "data plane": [run(plane)] * 3}, warmup)
     assert [row[0] for row in rows] == [*legacy, *store, "all processes"]
@@ -216,6 +216,19 @@ def test_cpu_rows_give_each_process_both_paths_ms_and_the_data_planes_extra(
         assert row[1:] == ["-", f"{store[row[0]]:.1f}", f"{store[row[0]]:+.1f}"]
     total_legacy, total_plane = sum(legacy.values()), sum(plane.values())
     assert rows[-1][1:] == [f"{total_legacy:.1f}", f"{total_plane:.1f}", f"{total_plane - total_legacy:+.1f}"]
+
+
+def test_cpu_rows_leave_out_the_steps_that_could_not_read_a_process() -> None:
+    """A process missing from some steps' readings gets the median of the steps that read it, not zeros for the
+    others; a run that never read it does not count."""
+    def record(step: int, cpu: dict[str, float]) -> dict[str, object]:
+        return {"step": step, CPU_KEY: cpu}
+
+    legacy = [[record(1, {"driver": 5.0, "policy 0": 9.0}), record(2, {"driver": 5.0}),
+               record(3, {"driver": 5.0, "policy 0": 9.0})], [record(1, {"driver": 7.0})]]
+    plane = [[record(1, {"driver": 6.0, "policy 0": 11.0}) for _ in range(3)]]
+    rows = cpu_rows({"legacy": legacy, "data plane": plane}, 0)
+    assert rows[:2] == [["driver", "6.0", "6.0", "+0.0"], ["policy 0", "9.0", "11.0", "+2.0"]]
 
 
 def test_cpu_rows_need_records_past_the_warm_up_on_both_paths() -> None:
