@@ -20,12 +20,24 @@ answers another request.
 
 No TQ state is kept here: keys, partitions, tags and production status stay
 the controller's, and every request is one TQ knows.
+
+Framing: TQ's own ``ZMQMessage.serialize`` encodes with msgpack, and its
+decoder then walks the whole decoded body in Python (``_reconstruct_special_types``
+visits every dict, list and item, to find TensorDicts): for a put's 256 keys
+and their tags, the largest part of what the controller spends on the request.
+The requests in :data:`PICKLED` carry only values the adapter builds (``str``,
+``int``, ``bool``, ``None``, lists and dicts of them, no tuples; torch dtypes,
+which both framings pickle), on which both framings decode to equal bodies, so they go out in TQ's other
+framing, its pickle fallback (``_PICKLE_FALLBACK_SENTINEL`` then one pickle),
+which the controller decodes with one ``pickle.loads`` and no walk. Every
+other request goes out as TQ frames it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import pickle
 import threading
 import uuid
 import weakref
@@ -33,9 +45,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
+from transfer_queue.utils.serial_utils import _PICKLE_FALLBACK_SENTINEL
 from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
 
-__all__ = ["ControllerLine", "Exchange", "Wait"]
+__all__ = ["PICKLED", "ControllerLine", "Exchange", "Wait", "frame_request"]
 
 Wait = Callable[[Callable[[float], tuple[bool, Any]]], Any]
 """How an exchange waits for a reply: called with ``poll`` (waits at most the seconds it is given; returns ``(True,
@@ -43,6 +56,34 @@ reply)`` or ``(False, None)``), returns the reply; :func:`adapters.store_health.
 
 PORT = "request_handle_socket"
 """The controller's port that serves requests (TQ's own clients use it too)."""
+
+PICKLED = frozenset({
+    ZMQRequestType.KV_RETRIEVE_META,
+    ZMQRequestType.SET_CUSTOM_META,
+    ZMQRequestType.NOTIFY_DATA_UPDATE,
+    ZMQRequestType.CLEAR_META,
+})
+"""The requests sent in TQ's pickle framing (see the module's docstring): a key lookup (keys, a partition, a flag), the
+keys' tags (global index -> the key's tags, which the adapter thaws: :func:`core.frozen.thaw` turns tuples into lists),
+the notice that a put's fields are produced (global indexes and each field's schema, its shape a list:
+:func:`adapters.tq_object_store.field_schema`) and a clear (global indexes and partitions). ``tests/e2e/test_tq_object_store.py`` checks that every such request the
+adapter sends decodes to the same body, type for type, in either framing."""
+
+
+def frame_request(message: ZMQMessage) -> list[Any]:
+    """The frames of ``message`` as the controller receives them: TQ's pickle framing for a request in
+    :data:`PICKLED`, TQ's own ``serialize`` for any other; ``ZMQMessage.deserialize`` reads either."""
+    if message.request_type not in PICKLED:
+        return message.serialize()
+    fields = {
+        "request_type": message.request_type.value,
+        "sender_id": message.sender_id,
+        "receiver_id": message.receiver_id,
+        "request_id": message.request_id,
+        "timestamp": message.timestamp,
+        "body": message.body,
+    }
+    return [_PICKLE_FALLBACK_SENTINEL, pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL)]
 
 
 class ControllerLine:
@@ -155,8 +196,9 @@ class Exchange:
         message = ZMQMessage.create(
             request_type=request_type, sender_id=self._sender_id, receiver_id=self._controller_id, body=body
         )
+        frames = frame_request(message)
         self._sent.append(request_type)
-        self._socket.send_multipart(message.serialize(), copy=False)
+        self._socket.send_multipart(frames, copy=False)
 
     def receive(self, response_type: ZMQRequestType) -> dict[str, Any]:
         """The body of the reply to the oldest request not yet answered, waited for with the exchange's ``wait``.

@@ -356,7 +356,8 @@ def field_schema(frames: Mapping[str, Frame]) -> dict[str, dict[str, Any]]:
     A dense field's row shape is what TQ itself reports (an ``(N,)`` field's rows as ``(1,)``). A jagged field is
     reported as a regular one with row shape ``(0, *inner)``: its frame holds the row lengths, which TQ would
     otherwise keep per row and copy in every lookup. Only this backend reads its rows, so nothing reads the
-    reported shape as a row's length.
+    reported shape as a row's length. The shape is a list, as TQ's own (msgpack) framing delivers a ``torch.Size`` to
+    the controller, so that the pickle framing of :data:`adapters.tq_controller_line.PICKLED` delivers the same.
     """
     schema = {}
     for field, frame in frames.items():
@@ -366,7 +367,7 @@ def field_schema(frames: Mapping[str, Frame]) -> dict[str, dict[str, Any]]:
         else:
             shape = (0, *inner)
         schema[field] = {
-            "dtype": getattr(torch, frame["dtype"]), "shape": torch.Size(shape), "is_nested": False, "is_non_tensor": False,
+            "dtype": getattr(torch, frame["dtype"]), "shape": list(shape), "is_nested": False, "is_non_tensor": False,
         }
     return schema
 

@@ -14,6 +14,9 @@
 * One deadline per call: a put's, a get's or a clear's waits on the controller, on TQ's client loop and on Ray
   share the call's ``call_s``.
 * A verified get (integrity on) reads the rows and their digests by key too, and still catches a changed row.
+* The controller requests sent in TQ's pickle framing (:data:`adapters.tq_controller_line.PICKLED`) decode to the
+  same bodies, type for type, as TQ's own framing would deliver them, for every such request a put (user tags of
+  every kind, digests, a rewrite that merges new tags into old ones), a get and a clear send.
 * A put whose columns fail to reach Ray's object store while its keys' lookup is in flight leaves the store as
   it was: the keys it registered are dropped.
 * Start-up: the index started beside TransferQueue's controller is the one TransferQueue uses, and its handle
@@ -30,15 +33,17 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 import ray
 import torch
 from tensordict import TensorDict
-from transfer_queue.utils.zmq_utils import ZMQRequestType
+from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
 
 from adapters import tq_object_store, tq_system
 from adapters.store_health import Deadlines, StoreFailure, StoreTimeout
+from adapters import tq_controller_line
 from adapters.tq_controller_line import Exchange
 from adapters.transfer_queue import TransferQueueStore
 from shell.metering import IntegrityError, MeteredClient
@@ -480,6 +485,52 @@ def test_a_verified_get_reads_rows_and_digests_by_key_and_still_catches_a_change
     assert info.value.keys == ("a",) and len(lookups) == 1
     store.clear(["a", "b"], partition)
     store.close()
+
+
+@on_object_store
+def test_requests_in_the_pickle_framing_decode_as_tqs_own_framing_would_deliver_them(
+    tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every key lookup, tags request and clear that puts, gets and clears send decodes, in the pickle framing the
+    line sends it in, to the body TQ's own msgpack framing would give the controller: equal values of equal types
+    (a tuple that msgpack turns into a list would differ)."""
+    sent: list[ZMQMessage] = []
+    frame = tq_controller_line.frame_request
+
+    def recorded(message: ZMQMessage) -> list:  # type: ignore[type-arg]
+        sent.append(message)
+        return frame(message)
+
+    monkeypatch.setattr(tq_controller_line, "frame_request", recorded)
+    store = TransferQueueStore.attach()
+    verified = MeteredClient(store, verify_integrity=True)
+    keys = ["a", "b", "c"]
+    tags = [{"t": (1, (2.5, "x")), "m": {"k": [None, True]}}, {"t": [3]}, {"s": "y", "n": -(2**40)}]
+    store.put(keys, partition, TensorDict({"ids": _jagged([[1], [2, 3], []])}, batch_size=[3]), tags=tags,
+              sequence_lengths=[1, 2, 0])
+    store.put(keys[:2], partition, TensorDict({"r": torch.ones(2)}, batch_size=[2]), tags=[{"t": ("z",)}, {}])
+    verified.put(["d"], partition, TensorDict({"ids": _jagged([[4, 5]])}, batch_size=[1]), tags=[{"u": 1.5}])
+    store.get_with_tags(keys, partition, ["ids"], ["t", "m"])
+    verified.get(["d"], partition, ["ids"])
+    store.clear([*keys, "d"], partition)
+    store.close()
+
+    framed = [message for message in sent if message.request_type in tq_controller_line.PICKLED]
+    assert {message.request_type for message in framed} == set(tq_controller_line.PICKLED)
+    for message in framed:
+        ours = ZMQMessage.deserialize(tq_controller_line.frame_request(message))
+        theirs = ZMQMessage.deserialize(message.serialize())
+        assert _typed(ours.body) == _typed(theirs.body), message.request_type
+        assert (ours.request_type, ours.sender_id, ours.request_id) == (theirs.request_type, theirs.sender_id, theirs.request_id)
+
+
+def _typed(value: Any) -> Any:
+    """``value`` with the type of every container and item beside it, so that equal results mean equal types too."""
+    if isinstance(value, dict):
+        return ("dict", [(_typed(k), _typed(v)) for k, v in value.items()])
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [_typed(v) for v in value])
+    return (type(value).__name__, value)
 
 
 def _count_lookups(monkeypatch: pytest.MonkeyPatch) -> list[None]:
