@@ -203,7 +203,7 @@ def run_config_from_dict(data: Mapping[str, Any]) -> RunConfig:
     Raises:
         ConfigError: as :func:`load_run_config`.
     """
-    return _build(RunConfig, read_document(dump(data), "<dict>"), "", "the mapping")
+    return run_config_from_text(dump(data), "the mapping")
 
 
 def run_config_from_text(text: str, source: str) -> RunConfig:
