@@ -27,10 +27,11 @@ visits every dict, list and item, to find TensorDicts): for a put's 256 keys
 and their tags, the largest part of what the controller spends on the request.
 The requests in :data:`PICKLED` carry only values the adapter builds (``str``,
 ``int``, ``bool``, ``None``, lists and dicts of them, no tuples; torch dtypes,
-which both framings pickle), on which both framings decode to equal bodies, so they go out in TQ's other
-framing, its pickle fallback (``_PICKLE_FALLBACK_SENTINEL`` then one pickle),
-which the controller decodes with one ``pickle.loads`` and no walk. Every
-other request goes out as TQ frames it.
+which both framings pickle), on which both framings decode to equal bodies, so
+they go out in TQ's other framing, its pickle fallback
+(``_PICKLE_FALLBACK_SENTINEL`` then one pickle), which the controller decodes
+with one ``pickle.loads`` and no walk. Every other request goes out as TQ
+frames it.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ PICKLED = frozenset({
 """The requests sent in TQ's pickle framing (see the module's docstring): a key lookup (keys, a partition, a flag), the
 keys' tags (global index -> the key's tags, which the adapter thaws: :func:`core.frozen.thaw` turns tuples into lists),
 the notice that a put's fields are produced (global indexes and each field's schema, its shape a list:
-:func:`adapters.tq_object_store.field_schema`) and a clear (global indexes and partitions). ``tests/e2e/test_tq_object_store.py`` checks that every such request the
-adapter sends decodes to the same body, type for type, in either framing."""
+:func:`adapters.tq_object_store.field_schema`) and a clear (global indexes and partitions).
+``tests/e2e/test_tq_object_store.py`` checks that every such request the adapter sends decodes to the same body, type
+for type, in either framing."""
 
 
 def frame_request(message: ZMQMessage) -> list[Any]:
