@@ -41,9 +41,8 @@ import torch
 from tensordict import TensorDict
 from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
 
-from adapters import tq_object_store, tq_system
+from adapters import tq_controller_line, tq_object_store, tq_system
 from adapters.store_health import Deadlines, StoreFailure, StoreTimeout
-from adapters import tq_controller_line
 from adapters.tq_controller_line import Exchange
 from adapters.transfer_queue import TransferQueueStore
 from shell.metering import IntegrityError, MeteredClient
@@ -491,7 +490,7 @@ def test_a_verified_get_reads_rows_and_digests_by_key_and_still_catches_a_change
 def test_requests_in_the_pickle_framing_decode_as_tqs_own_framing_would_deliver_them(
     tq_store_session: TransferQueueStore, partition: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every key lookup, tags request and clear that puts, gets and clears send decodes, in the pickle framing the
+    """Every key lookup, tags request, notice and clear that puts, gets and clears send decodes, in the pickle framing the
     line sends it in, to the body TQ's own msgpack framing would give the controller: equal values of equal types
     (a tuple that msgpack turns into a list would differ)."""
     sent: list[ZMQMessage] = []
