@@ -13,8 +13,9 @@ Invariant: see :class:`RowIndex`; ``tests/property/test_tq_object_store.py`` sta
 
 from __future__ import annotations
 
+import functools
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import chain, groupby
 from operator import eq, itemgetter
 from typing import Any
@@ -424,13 +425,40 @@ def _user_field(wire: str) -> str:
     return wire.rpartition("@")[0]
 
 
+def _served(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An actor method that runs the :class:`RowIndex` method ``method`` on the actor's index (its signature and
+    docstring)."""
+
+    @functools.wraps(method)
+    def serve(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return method(self.rows, *args, **kwargs)
+
+    return serve
+
+
 @ray.remote(num_cpus=0)
-class ObjectStoreIndex(RowIndex):
+class ObjectStoreIndex:
     """:class:`RowIndex` as one Ray actor per TQ system.
 
     Borrows every column object (its writer owns it); serves one call at a
     time, so its counts are consistent.
+
+    The actor holds its :class:`RowIndex` (``rows``) rather than being one:
+    Ray wraps every method of an actor's class in its tracing hook, private
+    ones included, so each per-row helper call of a put or a clear (one per
+    row) would go through that wrapper too.
     """
+
+    def __init__(self) -> None:
+        self.rows = RowIndex()
+
+    register = _served(RowIndex.register)
+    locate_keys = _served(RowIndex.locate_keys)
+    locate = _served(RowIndex.locate)
+    clear = _served(RowIndex.clear)
+    clear_owned = _served(RowIndex.clear_owned)
+    forget_keys = _served(RowIndex.forget_keys)
+    stats = _served(RowIndex.stats)
 
 
 INDEX_RESOURCE = "required_node_resource"

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ from adapters.tq_object_store import (
     index_tags,
     unframe,
 )
-from adapters.tq_row_index import CLEARED_EARLY_LIMIT
+from adapters.tq_row_index import CLEARED_EARLY_LIMIT, ObjectStoreIndex
 
 DTYPES = (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
@@ -627,3 +628,14 @@ def test_the_index_answers_reserved_tags_of_any_value_none_and_arrays_included(b
     answered = TagColumns(reply["values"], 2, absent=reply["absent"])
     assert answered[0]["__digest__.x"] is None and answered[0]["__digest__.y"] is array
     assert answered[1] == {"__digest__.y": 3}
+
+
+def test_the_index_actor_serves_each_public_method_of_row_index_from_a_row_index_it_holds() -> None:
+    """The actor's remote methods are exactly ``RowIndex``'s public ones, with their signatures; and the actor is not
+    a ``RowIndex``, so the per-row helpers a put or a clear calls are ``RowIndex``'s own functions, not the methods
+    Ray's tracing hook wraps on an actor's class."""
+    served = ObjectStoreIndex.__ray_metadata__.modified_class
+    public = sorted(name for name, value in vars(RowIndex).items() if inspect.isfunction(value) and not name.startswith("_"))
+    assert sorted(name for name in dir(served) if not name.startswith("_")) == public
+    assert all(inspect.signature(getattr(served, name)) == inspect.signature(getattr(RowIndex, name)) for name in public)
+    assert not issubclass(served, RowIndex)
