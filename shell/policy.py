@@ -32,7 +32,7 @@ from core.gpu_share import gpu_share_problem
 from core.model_config import TinyGPTConfig
 from core.meta import KVBatchMeta
 from core.sharding import DynamicBatchingSpec, PackingSpec, Shards, Unsorted, shard_like
-from core.step_plan import StepLayout, TrainResult, check_kept_rows, kept_rows, merge_train, shard_step, stamp_step
+from core.step_plan import StepLayout, TrainResult, check_kept_rows, merge_train, shard_step, stamp_step
 from core.topology import NamedSharding
 from adapters.store_health import failure_in
 from shell.model_worker import ClientFactory
@@ -257,24 +257,33 @@ class Policy:
         in the same fetch and keeps them, with what it writes back, for ``train``.
 
         ``keep_for_train``: the next call is ``train`` on these same rows (as a
-        GRPO step makes it). On the data plane a rank then writes back only the
-        rows that the train sharding gives to another rank, and keeps the rest
-        for its own train call (:func:`core.step_plan.kept_rows`; with one DP
-        rank, or the same sharding for both calls, nothing is written). Until
-        that train call, the kept rows' log-probs are in no store: a
-        ``transport.read`` of them raises ``KeyError``. The legacy transport
-        gathers every row either way.
+        GRPO step makes it). The call is then sharded as that train call will
+        be (:func:`core.step_plan.shard_step` with ``train=True``: one global
+        batch per ``train_global_batch_size`` rows, each balanced over the DP
+        ranks), not as one global batch, so each DP rank computes the log-probs
+        of exactly the rows it will train on. On the data plane every rank keeps
+        them, with the rows it read, for its own train call: nothing is written
+        back, and the train call reads nothing from the store. Until that train
+        call the log-probs are in no store: a ``transport.read`` of them raises
+        ``KeyError``. The legacy transport gathers every row either way, with
+        the same sharding, so both paths compute the same values. (With the
+        built-in model on CPU they are bitwise those of the one-global-batch
+        sharding, as a row is padded to the step's one pad length whatever
+        micro-batch holds it; a backend whose kernels depend on a micro-batch's
+        shape may differ in the last bits.)
         """
         names = (PREV_LOGPROBS, REFERENCE_LOGPROBS) if reference else (PREV_LOGPROBS,)
         _check_prepared(rows)
         self._kept, self._train_split, self._model_seconds = {}, None, {}
         with self._releasing_on_failure():
-            shards, unsorted = shard_step(rows.meta, self.config.layout, train=False)
             keep: tuple[frozenset[str], ...] = ()
             train_split = None
-            if keep_for_train:
-                train_split = (rows.meta, *shard_step(rows.meta, self.config.layout, train=True))
-                keep = kept_rows(shards, train_split[1])
+            if keep_for_train:  # every rank computes the rows it trains on: it keeps them all, none travels
+                shards, unsorted = shard_step(rows.meta, self.config.layout, train=True)
+                train_split = (rows.meta, shards, unsorted)
+                keep = tuple(frozenset(shard.keys) for shard in shards)
+            else:
+                shards, unsorted = shard_step(rows.meta, self.config.layout, train=False)
             inputs = self.transport.rank_inputs(
                 rows, shards, unsorted, fields=(INPUT_IDS, *self.config.replay_fields), keep=keep
             )

@@ -11,8 +11,9 @@ Per layout and batching mode (none, packing, dynamic batching):
   per-micro-batch metrics on both paths;
 * exactly one write per (key, field), counted by a recording client inside
   every worker; the same micro-batch count and forward length on every DP rank;
-* with ``keep_for_train``, only the rows another DP rank trains on are written
-  back, and the train call is unchanged;
+* with ``keep_for_train``, the log-prob call is sharded as the train call: no
+  row is written back, the train call reads nothing from the store, and it is
+  unchanged;
 * a worker that raises mid-step leaves none of the step's keys in the store.
 """
 
@@ -63,15 +64,24 @@ LOSS = GRPOLoss(clip_low=0.2, clip_high=0.28, kl_coef=0.05)
 
 
 class RecordingClient:
-    """A store client that logs every put's ``(keys, fields)`` and forwards every call."""
+    """A store client that logs every put's and every get's ``(keys, fields)`` and forwards every call."""
 
     def __init__(self, inner: DataPlaneClient) -> None:
         self.inner = inner
         self.puts: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+        self.gets: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
 
     def put(self, keys: Sequence[str], partition_id: str, fields: TensorDict, **kwargs: Any) -> KVBatchMeta:
         self.puts.append((tuple(keys), tuple(fields.keys())))
         return self.inner.put(keys, partition_id, fields, **kwargs)
+
+    def get(self, keys: Sequence[str], partition_id: str, fields: Sequence[str], **kwargs: Any) -> TensorDict:
+        self.gets.append((tuple(keys), tuple(fields)))
+        return self.inner.get(keys, partition_id, fields, **kwargs)
+
+    def get_with_tags(self, keys: Sequence[str], partition_id: str, fields: Sequence[str], **kwargs: Any) -> Any:
+        self.gets.append((tuple(keys), tuple(fields)))
+        return self.inner.get_with_tags(keys, partition_id, fields, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -83,12 +93,18 @@ def recording_transfer_queue() -> RecordingClient:
 
 
 class RecordingPolicyWorker(PolicyWorker):
-    """A PolicyWorker that hands its client's write log back (and empties it)."""
+    """A PolicyWorker that hands its client's write log and read log back (and empties them)."""
 
     @on_all_ranks
     def take_write_log(self) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
         log = list(self.client.puts)  # type: ignore[attr-defined]
         self.client.puts.clear()  # type: ignore[attr-defined]
+        return log
+
+    @on_all_ranks
+    def take_read_log(self) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+        log = list(self.client.gets)  # type: ignore[attr-defined]
+        self.client.gets.clear()  # type: ignore[attr-defined]
         return log
 
 
@@ -159,6 +175,14 @@ def _write(client: DataPlaneClient, data: TensorDict) -> KVBatchMeta:
 def _write_counts(group: WorkerGroup) -> Counter[tuple[str, str]]:
     counts: Counter[tuple[str, str]] = Counter()
     for log in group.call(RecordingPolicyWorker.take_write_log):
+        for keys, fields in log:
+            counts.update((k, f) for k in keys for f in fields)
+    return counts
+
+
+def _read_counts(group: WorkerGroup) -> Counter[tuple[str, str]]:
+    counts: Counter[tuple[str, str]] = Counter()
+    for log in group.call(RecordingPolicyWorker.take_read_log):
         for keys, fields in log:
             counts.update((k, f) for k in keys for f in fields)
     return counts
@@ -246,11 +270,13 @@ def test_policy_logprobs_with_reference_keeps_the_policy_logprobs_on_both_transp
 
 
 @pytest.mark.parametrize("mode", ["none", "packing"])
-def test_policy_keeps_for_train_the_rows_each_rank_trains_on_and_writes_back_only_the_others(
+def test_policy_keeps_for_train_every_row_each_rank_trains_on_and_neither_writes_back_nor_reads_again(
     group: WorkerGroup, client: DataPlaneClient, mode: str
 ) -> None:
-    """With keep_for_train, a replica leader writes back exactly the rows the train sharding gives to another DP rank
-    (none with one DP rank), and the train call still equals the legacy path's bitwise."""
+    """With keep_for_train, the log-prob call is sharded as the train call: every rank reads the rows it trains on
+    once, in the log-prob call, writes no log-probs back, and its train call reads nothing from the store (at DP=2 a
+    log-prob call on its own, sharded as one global batch, would put some rows on another rank than the train call
+    does); the train call still equals the legacy path's bitwise."""
     config = _config(_layout(group), mode)
     data = _batch(seed=21 + len(mode))
     legacy, legacy_rows = _legacy(group, config, data)
@@ -260,17 +286,20 @@ def test_policy_keeps_for_train_the_rows_each_rank_trains_on_and_writes_back_onl
     plane, rows = _plane(group, client, config, _write(client, data))
     try:
         group.call(RecordingPolicyWorker.take_write_log)
+        group.call(RecordingPolicyWorker.take_read_log)
         rows = plane.logprobs(rows, reference=True, prefetch=LOSS.input_fields, keep_for_train=True)
-        counts = _write_counts(group)
-        forward, _ = shard_step(rows.meta, config.layout, train=False)
-        train, _ = shard_step(rows.meta, config.layout, train=True)
+        written, read = _write_counts(group), _read_counts(group)
         plane_result = plane.train(rows, LOSS)
+        written_in_train, read_in_train = _write_counts(group), _read_counts(group)
     finally:
         plane.transport.finish(rows)
+    forward, _ = shard_step(rows.meta, config.layout, train=False)
+    train, _ = shard_step(rows.meta, config.layout, train=True)
     moved = {key for f, t in zip(forward, train) for key in f.keys if key not in t.keys}
-    assert bool(moved) == (config.layout.dp_size > 1)  # DP=2 moves rows between the shardings; one DP rank keeps all
-    assert set(counts) == {(k, f) for k in moved for f in BOTH}
-    assert set(counts.values()) <= {1}
+    assert bool(moved) == (config.layout.dp_size > 1)  # the shardings differ at DP=2: this call uses the train one
+    assert not written and not written_in_train
+    assert {key for key, _field in read} == set(rows.meta.keys)  # every row read once a replica, in the log-prob call
+    assert not read_in_train
     assert plane_result.loss == legacy_result.loss
     assert plane_result.grad_norm == legacy_result.grad_norm
     assert plane_result.micro_batch_metrics == legacy_result.micro_batch_metrics
