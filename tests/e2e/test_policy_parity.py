@@ -172,20 +172,22 @@ def _write(client: DataPlaneClient, data: TensorDict) -> KVBatchMeta:
     )
 
 
-def _write_counts(group: WorkerGroup) -> Counter[tuple[str, str]]:
+def _logged_counts(group: WorkerGroup, take: Any) -> Counter[tuple[str, str]]:
+    """How often each ``(key, field)`` is in the logs that ``take`` (a ``RecordingPolicyWorker`` method) hands back
+    from every rank."""
     counts: Counter[tuple[str, str]] = Counter()
-    for log in group.call(RecordingPolicyWorker.take_write_log):
+    for log in group.call(take):
         for keys, fields in log:
             counts.update((k, f) for k in keys for f in fields)
     return counts
+
+
+def _write_counts(group: WorkerGroup) -> Counter[tuple[str, str]]:
+    return _logged_counts(group, RecordingPolicyWorker.take_write_log)
 
 
 def _read_counts(group: WorkerGroup) -> Counter[tuple[str, str]]:
-    counts: Counter[tuple[str, str]] = Counter()
-    for log in group.call(RecordingPolicyWorker.take_read_log):
-        for keys, fields in log:
-            counts.update((k, f) for k in keys for f in fields)
-    return counts
+    return _logged_counts(group, RecordingPolicyWorker.take_read_log)
 
 
 def _plane(group: WorkerGroup, client: DataPlaneClient, config: PolicyConfig, meta: KVBatchMeta) -> tuple[Policy, StepRows]:
