@@ -266,11 +266,11 @@ class Policy:
         back, and the train call reads nothing from the store. Until that train
         call the log-probs are in no store: a ``transport.read`` of them raises
         ``KeyError``. The legacy transport gathers every row either way, with
-        the same sharding, so both paths compute the same values. (With the
-        built-in model on CPU they are bitwise those of the one-global-batch
-        sharding, as a row is padded to the step's one pad length whatever
-        micro-batch holds it; a backend whose kernels depend on a micro-batch's
-        shape may differ in the last bits.)
+        the same sharding, so both paths compute the same values. (A row is
+        padded to the step's one pad length whatever micro-batch holds it, but
+        a backend whose kernels depend on a micro-batch's shape may give
+        log-probs that differ in the last bits from those of a call sharded as
+        one global batch.)
         """
         names = (PREV_LOGPROBS, REFERENCE_LOGPROBS) if reference else (PREV_LOGPROBS,)
         _check_prepared(rows)
