@@ -10,7 +10,12 @@ Transports:
   ``MeteredClient`` (integrity off and on);
 * raw TransferQueue ``kv_batch_put`` / ``kv_batch_get`` on the same TensorDict;
 * ``MemoryStore``;
-* ``ray.put`` / ``ray.get`` of the same TensorDict (the legacy transport).
+* ``ray.put`` / ``ray.get`` of the same TensorDict (the legacy transport);
+* the same plus a key table in an actor
+  (:class:`adapters.transport_baselines.RefsByKey`): one ``ray.put`` and one
+  call that keeps its ref by key per put, one call and a ``ray.get`` per
+  get, the one call to another process that any keyed store on Ray's object
+  store makes per operation, over the legacy transport's own format.
 
 Paired rounds: every round puts the payload twice (under fresh keys) through
 every transport, then gets both back, then clears. The two sides of a
@@ -22,7 +27,9 @@ gives the median of those per-round ratios with a distribution-free 95%
 confidence interval of the median, the interquartile range and min..max. The
 first round warms up and is not counted. The hashing share is measured each
 round too: the digests ``MeteredClient`` computes on a verified get, over the
-columns the adapter read back that round, divided by that round's raw get.
+columns the adapter read back that round, divided by that round's raw get,
+and by that round's metered get (so ``1 +`` that share is the least a verified
+get can take of a metered one, whatever else it does).
 
 Also measured: the metering overhead per op against a client that does
 nothing (isolates the wrapper's own cost); the metering's ``step_delta`` after
@@ -70,6 +77,7 @@ INTEGRITY = "MeteredClient(TransferQueueStore, integrity)"
 RAW_TQ = "raw TransferQueue kv_batch_put/get"
 MEMORY = "MemoryStore (ours)"
 RAY = "ray.put/ray.get"
+KEYED = "ray.put/ray.get + a key table in an actor"
 
 
 @attrs.frozen
@@ -152,7 +160,7 @@ def _client(client: Any) -> Transport:
     )
 
 
-PAIRED_BLOCKS: tuple[tuple[str, ...], ...] = ((ADAPTER, RAW_TQ), (METERED, INTEGRITY), (MEMORY,), (RAY,))
+PAIRED_BLOCKS: tuple[tuple[str, ...], ...] = ((ADAPTER, RAW_TQ), (METERED, INTEGRITY), (MEMORY,), (RAY,), (KEYED,))
 """Transports compared with each other run back to back, in one block."""
 
 
@@ -167,7 +175,7 @@ def round_order(rep: int) -> list[str]:
     Example:
         >>> [name.split()[0] for name in round_order(0)[:4]]
         ['TransferQueueStore', 'raw', 'raw', 'TransferQueueStore']
-        >>> [name.split()[0] for name in round_order(4)[:4]]
+        >>> [name.split()[0] for name in round_order(5)[:4]]
         ['raw', 'TransferQueueStore', 'TransferQueueStore', 'raw']
     """
     shift = rep % len(PAIRED_BLOCKS)
@@ -220,6 +228,7 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
     td, nbytes = payload(cfg)
     report.start(total=cfg.repeats + 2, description="data-plane benchmark")
     store = TransferQueueStore.start(MOONCAKE_BENCH if cfg.tq_backend == "MooncakeStore" else {"backend": {"storage_backend": cfg.tq_backend}})
+    keyed = raw.RefsByKey()
     try:
         memory = MemoryStore()
         transports: dict[str, Transport] = {
@@ -234,6 +243,8 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
             MEMORY: _client(memory),
             RAY: Transport(put=lambda keys, pid, td: raw.ray_put(td), get=lambda keys, pid, ref: raw.ray_get(ref),
                            clear=lambda keys, pid, ref: None),
+            KEYED: Transport(put=keyed.put, get=lambda keys, pid, _: keyed.get(keys, pid),
+                             clear=lambda keys, pid, _: keyed.clear(keys, pid)),
         }
         names = list(transports)
         partitions = {name: f"bench-{i}" for i, name in enumerate(names)}
@@ -302,6 +313,11 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
                 _ratio_row("integrity get / metered get (end to end)", paired(gets[INTEGRITY], gets[METERED]), 1.10, percent=False),
                 _ratio_row("adapter put time / ray.put", paired(puts[ADAPTER], puts[RAY]), 2.0, percent=False),
                 _ratio_row("adapter get time / ray.get", paired(gets[ADAPTER], gets[RAY]), 2.0, percent=False),
+                _ratio_row("ray.put + key table time / ray.put", paired(puts[KEYED], puts[RAY]), None, percent=False),
+                _ratio_row("ray.get + key table time / ray.get", paired(gets[KEYED], gets[RAY]), None, percent=False),
+                _ratio_row("adapter put time / ray.put + key table", paired(puts[ADAPTER], puts[KEYED]), None, percent=False),
+                _ratio_row("adapter get time / ray.get + key table", paired(gets[ADAPTER], gets[KEYED]), None, percent=False),
+                _ratio_row("hashing a get's rows / metered get", paired(hashing, gets[METERED]), None, percent=True),
             ],
         )
         stores = {ADAPTER: store, METERED: MeteredClient(store), MEMORY: memory}
@@ -337,17 +353,18 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
                 ["TQ adapter get time / ray.get", f"{ours_get / med[RAY][1]:.1f}x"],
             ],
         )
-        cpu_transports = {name: transports[name] for name in (ADAPTER, RAW_TQ, RAY)}
+        cpu_transports = {name: transports[name] for name in (ADAPTER, RAW_TQ, RAY, KEYED)}
         calls = cpu_calls(nbytes)
         report.table(
             f"CPU per call by process ({cfg.tq_backend}): {cfg.rows} rows, {nbytes / 1e6:.1f} MB, ms of CPU a call "
             f"costs, the mean over {calls} calls of each operation",
-            *_cpu_table(cpu_transports, partitions, td, cfg.rows, _call_processes(store), calls),
+            *_cpu_table(cpu_transports, partitions, td, cfg.rows, _call_processes(store, keyed), calls),
         )
         if cfg.profile:
             _profile(store, td, report)
         report.advance()
     finally:
+        keyed.close()
         store.close()
     report.finish()
 
@@ -411,14 +428,16 @@ def cpu_calls(payload_bytes: int) -> int:
 
 
 CALLER = "caller (this process)"
+KEY_TABLE = "key-table actor"
 
 
-def _call_processes(store: Any) -> dict[str, psutil.Process]:
+def _call_processes(store: Any, keyed: raw.RefsByKey) -> dict[str, psutil.Process]:
     """The processes a store call can spend CPU in: this one (Ray's threads in it included), each part of ``store``
-    (:meth:`adapters.store_health.ProbedActors.parts`) and the raylet this process started (Ray's object store
-    lives in it)."""
+    (:meth:`adapters.store_health.ProbedActors.parts`), the key table of ``keyed`` and the raylet this process started (Ray's
+    object store lives in it)."""
     out = {CALLER: psutil.Process()}
     out.update(processes({part.role: part.pid for part in store.parts() if part.pid is not None}))
+    out.update(processes({KEY_TABLE: keyed.pid}))
     daemons = ray_daemons()
     if RAYLET in daemons:
         out[RAYLET] = daemons[RAYLET]
