@@ -227,8 +227,12 @@ def run(cfg: DataplaneConfig, report: Report) -> None:
     """Measure every transport into ``report``."""
     td, nbytes = payload(cfg)
     report.start(total=cfg.repeats + 2, description="data-plane benchmark")
-    store = TransferQueueStore.start(MOONCAKE_BENCH if cfg.tq_backend == "MooncakeStore" else {"backend": {"storage_backend": cfg.tq_backend}})
     keyed = raw.RefsByKey()
+    try:
+        store = TransferQueueStore.start(MOONCAKE_BENCH if cfg.tq_backend == "MooncakeStore" else {"backend": {"storage_backend": cfg.tq_backend}})
+    except BaseException:
+        keyed.close()
+        raise
     try:
         memory = MemoryStore()
         transports: dict[str, Transport] = {
