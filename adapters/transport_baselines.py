@@ -11,10 +11,11 @@ process: an actor that keeps each put's object ref under its keys
 (borrowing it, as Ray requires of a process that keeps another's ref) and
 hands it back to a get. A store on Ray's object store whose readers find
 rows by key without asking their writer, as ``RayObjectStore``'s index
-does, makes at least one such call per put and one per get; what
-:class:`RefsByKey` adds to ``ray.put`` / ``ray.get`` is the least that
-call costs. It is a baseline, not a store: no checks, no partial reads, no
-key management beyond the table.
+does, makes such a call per put and per get (unless it batches them over
+several operations); what :class:`RefsByKey` adds to ``ray.put`` /
+``ray.get`` is what the call costs as one Ray actor call that carries a
+borrowed ref. It is a baseline, not a store: no checks, no partial reads,
+no key management beyond the table.
 
 Invariant: each baseline moves the same TensorDict it is given, with no
 validation, shape restoration or metering of its own.

@@ -14,8 +14,9 @@ Transports:
 * the same plus a key table in an actor
   (:class:`adapters.transport_baselines.RefsByKey`): one ``ray.put`` and one
   call that keeps its ref by key per put, one call and a ``ray.get`` per
-  get, the one call to another process that any keyed store on Ray's object
-  store makes per operation, over the legacy transport's own format.
+  get: the call to another process that a keyed store on Ray's object store
+  makes per operation, as one Ray actor call, over the legacy transport's
+  own format.
 
 Paired rounds: every round puts the payload twice (under fresh keys) through
 every transport, then gets both back, then clears. The two sides of a
@@ -28,8 +29,8 @@ confidence interval of the median, the interquartile range and min..max. The
 first round warms up and is not counted. The hashing share is measured each
 round too: the digests ``MeteredClient`` computes on a verified get, over the
 columns the adapter read back that round, divided by that round's raw get,
-and by that round's metered get (so ``1 +`` that share is the least a verified
-get can take of a metered one, whatever else it does).
+and by that round's metered get (so ``1 +`` that share's median is the least a
+verified get's median can take of a metered one, whatever else it does).
 
 Also measured: the metering overhead per op against a client that does
 nothing (isolates the wrapper's own cost); the metering's ``step_delta`` after
